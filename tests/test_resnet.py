@@ -1,0 +1,253 @@
+"""dp_resnet.py and ddp_resnet.py, launched as a user would: CPU, gloo, 2 processes, resnet18 on
+32 px synthetic images, 2 steps an epoch, every run under a hard timeout."""
+import hashlib
+import math
+import os
+import re
+import signal
+import subprocess
+import time
+
+import pytest
+import torch
+import torchvision
+
+from conftest import metrics, python, run, torchrun
+
+BASE = ["--arch", "resnet18", "--image-size", 32, "--batch-size", 4, "--max-steps", 2, "--synthetic-size", 32, "--cpu"]
+SMALL = [*BASE, "--num-classes", 10]
+DDP = [*SMALL, "--timeout", 60]
+SPAWN = [*DDP, "--nprocs", 2]
+TIMEOUT = 180
+PROGRESS = re.compile(r"^epoch (\d+)/(\d+) \| step \d+/\d+ \| loss \d+\.\d{4} \| (\d+|-) img/s$", re.M)
+
+
+def ckpt_args(folder) -> list:
+    return ["--ckpt-dir", folder, "--metrics-out", folder / "metrics.json"]
+
+
+def load(file) -> dict:
+    return torch.load(file, map_location="cpu", weights_only=True)
+
+
+def check_checkpoints(folder, epochs, num_classes: int = 10) -> None:
+    """Every epoch_N.pt is there and loads, with weights_only=True, into a plain torchvision model."""
+    assert sorted(p.name for p in folder.glob("epoch_*.pt")) == sorted(f"epoch_{e}.pt" for e in epochs)
+    for e in epochs:
+        ckpt = load(folder / f"epoch_{e}.pt")
+        assert ckpt["epoch"] == e and ckpt["arch"] == "resnet18" and ckpt["num_classes"] == num_classes
+        torchvision.models.resnet18(num_classes=num_classes).load_state_dict(ckpt["model_state_dict"])
+        assert ckpt["optimizer_state_dict"]["state"], "momentum buffers missing"
+
+
+def digest(state_dict: dict) -> str:
+    """The scripts' param_sha256: names and raw bytes of every parameter and buffer."""
+    h = hashlib.sha256()
+    for name, t in state_dict.items():
+        h.update(name.encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def same_weights(a, b) -> None:
+    a, b = load(a), load(b)
+    assert a["model_state_dict"].keys() == b["model_state_dict"].keys()
+    for k, t in a["model_state_dict"].items():
+        assert torch.equal(t, b["model_state_dict"][k]), f"{k} differs"
+    for i, s in a["optimizer_state_dict"]["state"].items():
+        assert torch.equal(s["momentum_buffer"], b["optimizer_state_dict"]["state"][i]["momentum_buffer"])
+
+
+def check_ddp_run(folder, out: str, epochs: int) -> dict:
+    m = metrics(folder / "metrics.json")
+    assert (m["script"], m["world_size"], m["backend"], m["device"]) == ("ddp_resnet.py", 2, "gloo", "cpu")
+    assert m["epochs_run"] == epochs and m["steps"] == 2 * epochs and m["resumed_from"] is None
+    assert math.isfinite(m["final_loss"]) and m["max_memory_gib"] is None
+    assert m["checkpoint"] == str(folder / f"epoch_{epochs}.pt")
+    check_checkpoints(folder, range(1, epochs + 1))
+    # After the barrier-guarded reload of epoch_{N-1}.pt every rank holds exactly what rank 0 saved.
+    sha = m["param_sha256_per_rank"]
+    assert len(sha) == 2 and sha[0] == sha[1] == digest(load(folder / f"epoch_{epochs - 1}.pt")["model_state_dict"])
+    assert sorted({int(e) for e, _, _ in PROGRESS.findall(out)}) == list(range(1, epochs + 1))
+    assert re.search(rf"^done \| epochs {epochs} \| final_loss \d+\.\d{{4}} \| (\d+|-) img/s \| checkpoint \S+epoch_{epochs}\.pt$", out, re.M)
+    return m
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """One 4-epoch spawned DDP run, shared by the tests that compare against it."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    result = run(python("ddp_resnet.py", *SPAWN, "--epochs", 4, *ckpt_args(folder)), timeout=TIMEOUT)
+    return folder, result.stdout
+
+
+def test_ddp_spawned_checkpoints_load_and_ranks_agree(uninterrupted):
+    folder, out = uninterrupted
+    check_ddp_run(folder, out, epochs=4)
+
+
+def test_ddp_under_torchrun(tmp_path):
+    result = run(torchrun("ddp_resnet.py", 2, *DDP, "--epochs", 2, "--warmup-steps", 0, "--log-every", 1,
+                          *ckpt_args(tmp_path)), timeout=TIMEOUT)
+    m = check_ddp_run(tmp_path, result.stdout, epochs=2)
+    # 2 one-step windows per epoch on each rank, summed over the ranks
+    assert len(m["window_images_per_sec"]) == 4 and m["images_per_sec"] > 0
+
+
+def test_ddp_resume_matches_uninterrupted_run(uninterrupted, tmp_path):
+    full, _ = uninterrupted
+    run(python("ddp_resnet.py", *SPAWN, "--epochs", 2, *ckpt_args(tmp_path)), timeout=TIMEOUT)
+    before = {p.name: p.read_bytes() for p in tmp_path.glob("epoch_*.pt")}
+    result = run(python("ddp_resnet.py", *SPAWN, "--epochs", 4, "--resume", *ckpt_args(tmp_path)), timeout=TIMEOUT)
+    assert f"--resume: continuing after {tmp_path / 'epoch_2.pt'}" in result.stdout
+    assert {int(e) for e, _, _ in PROGRESS.findall(result.stdout)} == {3, 4}  # finished epochs not redone
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("epoch_[12].pt")} == before
+    m = metrics(tmp_path / "metrics.json")
+    assert (m["resumed_from"], m["epochs_run"], m["steps"]) == (2, 2, 4)
+    check_checkpoints(tmp_path, range(1, 5))
+    same_weights(full / "epoch_4.pt", tmp_path / "epoch_4.pt")
+
+
+def test_ddp_resume_without_checkpoint_starts_fresh(tmp_path):
+    result = run(python("ddp_resnet.py", *SPAWN, "--epochs", 1, "--resume", *ckpt_args(tmp_path)), timeout=TIMEOUT)
+    assert f"--resume: no checkpoint in {tmp_path}, starting fresh" in result.stdout
+    check_checkpoints(tmp_path, [1])
+
+
+def test_dp_on_cpu_and_resume(tmp_path):
+    a, b = tmp_path / "a", tmp_path / "b"
+    result = run(python("dp_resnet.py", *SMALL, "--epochs", 2, *ckpt_args(a)), timeout=TIMEOUT)
+    assert "--cpu: training the plain model on CPU" in result.stdout
+    m = metrics(a / "metrics.json")
+    assert (m["script"], m["world_size"], m["backend"], m["device"]) == ("dp_resnet.py", 1, "none", "cpu")
+    assert (m["epochs_run"], m["steps"], m["resumed_from"]) == (2, 4, None) and math.isfinite(m["final_loss"])
+    assert re.search(r"^done \| epochs 2 \| .* \| checkpoint \S+epoch_2\.pt$", result.stdout, re.M)
+    check_checkpoints(a, [1, 2])
+    run(python("dp_resnet.py", *SMALL, "--epochs", 1, *ckpt_args(b)), timeout=TIMEOUT)
+    result = run(python("dp_resnet.py", *SMALL, "--epochs", 2, "--resume", *ckpt_args(b)), timeout=TIMEOUT)
+    assert metrics(b / "metrics.json")["resumed_from"] == 1
+    assert {int(e) for e, _, _ in PROGRESS.findall(result.stdout)} == {2}
+    same_weights(a / "epoch_2.pt", b / "epoch_2.pt")
+
+
+def test_kill_during_save_leaves_previous_checkpoint(tmp_path):
+    """SIGKILL the whole job the moment rank 0 creates any new file after epoch_1.pt, i.e. while it
+    saves epoch 2: every epoch_N.pt left must be whole, and --resume must continue from epoch 1."""
+    for attempt in range(3):
+        folder = tmp_path / f"try{attempt}"
+        folder.mkdir()
+        with open(folder / "out.txt", "w") as log:
+            proc = subprocess.Popen(python("ddp_resnet.py", *SPAWN, "--epochs", 50, "--max-steps", 1, "--ckpt-dir", folder),
+                                    cwd=tmp_path, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            try:
+                deadline, seen = time.monotonic() + TIMEOUT, None
+                while time.monotonic() < deadline and proc.poll() is None:
+                    names = set(os.listdir(folder)) - {"out.txt"}
+                    if "epoch_1.pt" in names and names - {"epoch_1.pt"}:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                        seen = names
+                        break
+                    time.sleep(0.001)
+            finally:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                proc.wait()
+        assert seen, f"no second save seen before exit or timeout:\n{(folder / 'out.txt').read_text()[-3000:]}"
+        files = [p for p in folder.iterdir() if p.name != "out.txt"]
+        whole = sorted(p.name for p in files if re.fullmatch(r"epoch_\d+\.pt", p.name))
+        for name in whole:
+            try:
+                torchvision.models.resnet18(num_classes=10).load_state_dict(load(folder / name)["model_state_dict"])
+            except Exception as e:
+                pytest.fail(f"{name} is half-written after the kill: {type(e).__name__}: {e}")
+        if len(whole) < len(files):  # a temporary file is left: the kill landed mid-save
+            break
+    else:
+        pytest.fail("the kill never landed while a checkpoint was being written")
+    assert "epoch_1.pt" in whole  # the checkpoint before the interrupted save survives
+    newest = max(int(n[6:-3]) for n in whole)
+    result = run(python("ddp_resnet.py", *SPAWN, "--epochs", newest + 1, "--resume", *ckpt_args(folder)), timeout=TIMEOUT)
+    assert metrics(folder / "metrics.json")["resumed_from"] == newest
+    assert f"continuing after {folder / f'epoch_{newest}.pt'}" in result.stdout
+
+
+def write_image_folder(root, classes=3, per_class=6):
+    from PIL import Image
+    g = torch.Generator().manual_seed(0)
+    for c in range(classes):
+        (root / f"class_{c}").mkdir(parents=True)
+        for i in range(per_class):
+            pixels = torch.randint(0, 256, (40, 48, 3), dtype=torch.uint8, generator=g).numpy()
+            Image.fromarray(pixels).save(root / f"class_{c}" / f"{i}.png")
+
+
+@pytest.mark.parametrize("script", ["dp_resnet.py", "ddp_resnet.py"])
+def test_image_folder_trains(script, tmp_path):
+    write_image_folder(tmp_path / "data")
+    flags = [*BASE, "--timeout", 60, "--nprocs", 2] if script == "ddp_resnet.py" else BASE
+    run(python(script, *flags, "--data", tmp_path / "data", "--epochs", 2, *ckpt_args(tmp_path)), timeout=TIMEOUT)
+    m = metrics(tmp_path / "metrics.json")
+    assert m["epochs_run"] == 2 and m["steps"] == 4 and math.isfinite(m["final_loss"])
+    check_checkpoints(tmp_path, [1, 2], num_classes=3)  # --num-classes follows the ImageFolder
+
+
+def check_user_error(result, *words) -> str:
+    assert result.returncode != 0
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr[-2000:]
+    for w in words:
+        assert str(w) in lines[0]
+    return lines[0]
+
+
+@pytest.mark.parametrize("script,flags,words", [
+    ("ddp_resnet.py", ["--batch-size", 0], ["--batch-size"]),
+    ("ddp_resnet.py", ["--epochs", -1], ["--epochs"]),
+    ("dp_resnet.py", ["--lr", 0], ["--lr"]),
+    ("ddp_resnet.py", ["--data", "no/such/folder"], ["no/such/folder"]),
+    ("dp_resnet.py", ["--data", "EMPTY"], ["class_0"]),
+    ("dp_resnet.py", ["--gpus", 99], ["--gpus 99"]),
+    ("dp_resnet.py", ["--synthetic-size", 3], ["--batch-size"]),
+])
+def test_bad_flags_give_one_error_line(script, flags, words, tmp_path):
+    (tmp_path / "empty" / "class_0").mkdir(parents=True)
+    (tmp_path / "empty" / "class_0" / "notes.txt").write_text("not an image")
+    flags = [tmp_path / "empty" if f == "EMPTY" else f for f in flags]
+    result = run(python(script, *SMALL, *flags, "--ckpt-dir", tmp_path / "ckpt"), timeout=60, check=False)
+    check_user_error(result, *words)
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("script,kind", [("ddp_resnet.py", "truncated"), ("ddp_resnet.py", "garbage"),
+                                         ("ddp_resnet.py", "wrong-model"), ("ddp_resnet.py", "foreign"),
+                                         ("dp_resnet.py", "truncated")])
+def test_unreadable_checkpoint_on_resume(script, kind, uninterrupted, tmp_path):
+    good = (uninterrupted[0] / "epoch_2.pt").read_bytes()
+    bad = tmp_path / "epoch_3.pt"
+    (tmp_path / "epoch_2.pt").write_bytes(good)
+    flags = [*SPAWN] if script == "ddp_resnet.py" else [*SMALL]
+    if kind == "truncated":
+        bad.write_bytes(good[: len(good) // 2])
+    elif kind == "garbage":
+        bad.write_bytes(os.urandom(4096))
+    elif kind == "foreign":
+        torch.save({"weights": torch.zeros(3)}, bad)
+    else:
+        bad = tmp_path / "epoch_2.pt"
+        flags = [f if f != "resnet18" else "resnet34" for f in flags]
+    result = run(python(script, *flags, "--epochs", 4, "--resume", "--ckpt-dir", tmp_path), timeout=60, check=False)
+    check_user_error(result, bad)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted({"epoch_2.pt", bad.name})  # nothing trained
+
+
+def test_unreadable_checkpoint_under_torchrun_ends_the_job(uninterrupted, tmp_path):
+    (tmp_path / "epoch_2.pt").write_bytes((uninterrupted[0] / "epoch_2.pt").read_bytes()[:5000])
+    result = run(torchrun("ddp_resnet.py", 2, *DDP, "--epochs", 4, "--resume", "--ckpt-dir", tmp_path),
+                 timeout=TIMEOUT, check=False)
+    assert result.returncode != 0
+    # Each rank checks the file itself; torchrun may stop the slower rank before it gets to print.
+    errors = re.findall(r"^error: cannot read checkpoint (\S+) ", result.stderr, re.M)
+    assert 1 <= len(errors) <= 2 and set(errors) == {str(tmp_path / "epoch_2.pt")}, result.stderr[-3000:]
+    assert 'ddp_resnet.py", line' not in result.stderr  # no traceback from the script, only torchrun's summary
