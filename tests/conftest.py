@@ -1,41 +1,80 @@
-"""Shared test helpers: launch the scripts the way a user does, with a hard timeout."""
+"""Shared test helpers: launch the scripts the way a user does, with a hard timeout, and
+make sure no process of a run outlives it."""
 import json
 import os
 import signal
 import subprocess
 import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 DEBIAN_FMNIST = Path("/usr/share/datasets/fashion-mnist")
+MARK = "DDP_COLLECTION_TEST_RUN"  # every process of a run inherits it: how leftovers are found
 
 
-def run(args: list, timeout: float, cwd=None, env=None, check=True) -> subprocess.CompletedProcess:
-    """Run a command in its own process group; on timeout or exit, kill the whole group
-    so no spawned rank or torchrun worker is left behind."""
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+def start(args: list, cwd=None, env=None) -> subprocess.Popen:
+    """Start a command in its own process group, tagged so its descendants can be found."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {}), MARK: uuid.uuid4().hex}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         if env is None or var not in env:
             full_env.pop(var, None)  # a test never inherits a launcher's rendezvous by accident
     proc = subprocess.Popen(args, cwd=cwd or ROOT, env=full_env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
+    proc.mark = full_env[MARK]
+    return proc
+
+
+def tagged(mark: str) -> list:
+    """Live processes carrying this run's tag (zombies have no environment, so they don't count)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if f"{MARK}={mark}".encode() in f.read():
+                        pids.append(int(entry))
+            except OSError:
+                pass
+    return pids
+
+
+def kill_all(proc: subprocess.Popen) -> None:
+    for pid in [proc.pid, *tagged(proc.mark)]:
+        try:
+            os.killpg(pid, signal.SIGKILL) if pid == proc.pid else os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def finish(proc: subprocess.Popen, timeout: float, check: bool = True, linger: float = 10) -> subprocess.CompletedProcess:
+    """Wait for a started command; fail on timeout, on a non-zero exit (with check) and when
+    any of its processes is still alive `linger` seconds after it exited."""
+    args = proc.args
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
+        kill_all(proc)
         out, err = proc.communicate()
         pytest.fail(f"timed out after {timeout}s: {' '.join(map(str, args))}\n{out[-3000:]}\n{err[-3000:]}")
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    deadline = time.monotonic() + linger
+    while tagged(proc.mark) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = tagged(proc.mark)
+    kill_all(proc)
+    if left:
+        pytest.fail(f"{len(left)} process(es) outlived {' '.join(map(str, args))}: {left}\n{err[-3000:]}")
     result = subprocess.CompletedProcess(args, proc.returncode, out, err)
     if check and proc.returncode != 0:
         pytest.fail(f"exit {proc.returncode}: {' '.join(map(str, args))}\n{out[-3000:]}\n{err[-3000:]}")
     return result
+
+
+def run(args: list, timeout: float, cwd=None, env=None, check=True) -> subprocess.CompletedProcess:
+    return finish(start(args, cwd, env), timeout, check)
 
 
 def python(script: str, *flags) -> list:
