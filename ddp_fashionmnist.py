@@ -64,8 +64,14 @@ def ddp_setup(local_rank: int, nprocs: int, cpu: bool, timeout: float) -> torch.
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"  # gloo: NCCL needs a GPU per process
+    level = dist.get_debug_level()
+    if backend == "gloo" and level == dist.DebugLevel.DETAIL:
+        # torch bug (seen in 2.13 and 2.14): DDP's constructor segfaults on a gloo group that
+        # TORCH_DISTRIBUTED_DEBUG=DETAIL wrapped for collective checks. Leave the group unwrapped.
+        dist.set_debug_level(dist.DebugLevel.INFO)
     # A finite timeout turns a dead or missing rank into an error instead of a hang.
     dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout))
+    dist.set_debug_level(level)  # DDP's own DETAIL checks stay on
     return device
 
 
@@ -81,10 +87,18 @@ def launch(fn, args: argparse.Namespace) -> None:
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
+    context = mp.spawn(fn, args=(args,), nprocs=args.nprocs, join=False)
     try:
-        mp.spawn(fn, args=(args,), nprocs=args.nprocs, join=True)
-    except mp.ProcessExitedException as e:  # the rank printed its own error line
-        sys.exit(e.exit_code if e.exit_code > 0 else 1)
+        # Once a rank fails the others get 3 s, then SIGTERM, then SIGKILL: mp.spawn's default
+        # waits 30 s for a rank that ignores SIGTERM (a stopped one, say).
+        while not context.join(grace_period=3):
+            pass
+    except mp.ProcessExitedException as e:
+        if e.exit_code > 0:  # the rank printed its own error line
+            sys.exit(e.exit_code)
+        sys.exit(f"error: rank {e.error_index} was killed by {e.signal_name}; the other ranks were stopped")
+    except mp.ProcessRaisedException as e:  # show the rank's traceback, not the launcher's
+        sys.exit(f"{e.msg.strip()}\nerror: rank {e.error_index} failed (above); the other ranks were stopped")
 
 
 def default_nprocs() -> int:
@@ -102,6 +116,13 @@ def check_launch(args: argparse.Namespace) -> None:
         sys.exit(f"error: --nprocs {args.nprocs} but only {gpus} GPU(s) visible; use --nprocs {gpus} or --cpu")
     if args.timeout <= 0:
         sys.exit(f"error: --timeout must be positive, got {args.timeout}")
+    if "MASTER_PORT" in os.environ:  # yours, honoured: but rank 0 must be able to listen on it
+        try:
+            with socket.socket() as s:
+                s.bind((os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])))
+        except (OSError, ValueError) as e:
+            sys.exit(f"error: MASTER_PORT={os.environ['MASTER_PORT']} cannot be used here ({getattr(e, 'strerror', None) or e}); "
+                     f"unset it and a free port is picked")
 
 
 def write_json(path: str, obj: dict) -> None:
@@ -129,9 +150,10 @@ class SeqNet(nn.Module):
         return self.lin3(x)
 
 
-def find_idx_files(root: Path) -> dict | None:
-    """The four IDX files (.gz or not) in root itself (e.g. Debian's folder) or in
-    root/FashionMNIST/raw (where torchvision downloads them); None if any is missing."""
+def find_idx_files(root: Path) -> dict:
+    """The IDX files (.gz or not) in root itself (e.g. Debian's folder) or in root/FashionMNIST/raw
+    (where torchvision downloads them), from whichever of the two holds more of them."""
+    best = {}
     for folder in (root, root / "FashionMNIST" / "raw"):
         found = {}
         for key, name in IDX_FILES.items():
@@ -139,19 +161,24 @@ def find_idx_files(root: Path) -> dict | None:
                 if candidate.is_file():
                     found[key] = candidate
                     break
-        if len(found) == len(IDX_FILES):
-            return found
-    return None
+        best = max(best, found, key=len)
+    return best
 
 
 def prepare_data(root: Path) -> str:
     """Make the dataset ready (download when missing); return '' or what went wrong."""
-    if not find_idx_files(root):
+    files = find_idx_files(root)
+    if not files:
         problem = download(root)
         if problem:
             return problem
+        files = find_idx_files(root)
+    if len(files) < len(IDX_FILES):  # a partial copy: downloading over it would hide the problem
+        missing = [name for key, name in IDX_FILES.items() if key not in files]
+        return (f"{next(iter(files.values())).parent} lacks {', '.join(missing)}; add the missing "
+                f"file(s) (.gz or not), or delete the folder so a download fills it")
     try:  # read everything once here, so a damaged file is one error before training starts
-        for path in find_idx_files(root).values():
+        for path in files.values():
             read_idx(path)
     except ValueError as e:
         return str(e)

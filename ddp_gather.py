@@ -46,8 +46,14 @@ def ddp_setup(local_rank: int, nprocs: int, cpu: bool, timeout: float) -> torch.
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"  # gloo: NCCL needs a GPU per process
+    level = dist.get_debug_level()
+    if backend == "gloo" and level == dist.DebugLevel.DETAIL:
+        # torch bug (seen in 2.13 and 2.14): DDP's constructor segfaults on a gloo group that
+        # TORCH_DISTRIBUTED_DEBUG=DETAIL wrapped for collective checks. Leave the group unwrapped.
+        dist.set_debug_level(dist.DebugLevel.INFO)
     # A finite timeout turns a dead or missing rank into an error instead of a hang.
     dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout))
+    dist.set_debug_level(level)  # DDP's own DETAIL checks stay on
     return device
 
 
@@ -63,10 +69,18 @@ def launch(fn, args: argparse.Namespace) -> None:
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
+    context = mp.spawn(fn, args=(args,), nprocs=args.nprocs, join=False)
     try:
-        mp.spawn(fn, args=(args,), nprocs=args.nprocs, join=True)
-    except mp.ProcessExitedException as e:  # the rank printed its own error line
-        sys.exit(e.exit_code if e.exit_code > 0 else 1)
+        # Once a rank fails the others get 3 s, then SIGTERM, then SIGKILL: mp.spawn's default
+        # waits 30 s for a rank that ignores SIGTERM (a stopped one, say).
+        while not context.join(grace_period=3):
+            pass
+    except mp.ProcessExitedException as e:
+        if e.exit_code > 0:  # the rank printed its own error line
+            sys.exit(e.exit_code)
+        sys.exit(f"error: rank {e.error_index} was killed by {e.signal_name}; the other ranks were stopped")
+    except mp.ProcessRaisedException as e:  # show the rank's traceback, not the launcher's
+        sys.exit(f"{e.msg.strip()}\nerror: rank {e.error_index} failed (above); the other ranks were stopped")
 
 
 def default_nprocs() -> int:
@@ -84,6 +98,13 @@ def check_launch(args: argparse.Namespace) -> None:
         sys.exit(f"error: --nprocs {args.nprocs} but only {gpus} GPU(s) visible; use --nprocs {gpus} or --cpu")
     if args.timeout <= 0:
         sys.exit(f"error: --timeout must be positive, got {args.timeout}")
+    if "MASTER_PORT" in os.environ:  # yours, honoured: but rank 0 must be able to listen on it
+        try:
+            with socket.socket() as s:
+                s.bind((os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])))
+        except (OSError, ValueError) as e:
+            sys.exit(f"error: MASTER_PORT={os.environ['MASTER_PORT']} cannot be used here ({getattr(e, 'strerror', None) or e}); "
+                     f"unset it and a free port is picked")
 
 
 def write_json(path: str, obj: dict) -> None:

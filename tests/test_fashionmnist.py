@@ -129,3 +129,13 @@ def test_truncated_idx_file_is_one_clear_line(tmp_path):
     lines = res.stderr.strip().splitlines()
     assert lines and all("t10k-labels-idx1-ubyte is truncated" in line for line in lines), res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_folder_missing_some_idx_files_is_one_clear_line(tmp_path):
+    root = tiny_fmnist(tmp_path / "fm")
+    (root / "FashionMNIST" / "raw" / "train-labels-idx1-ubyte").unlink()
+    res = run(python("ddp_fashionmnist.py", "--cpu", "--data", root), timeout=60, check=False)
+    assert res.returncode != 0
+    assert res.stderr.strip().splitlines() == [
+        f"error: {root / 'FashionMNIST' / 'raw'} lacks train-labels-idx1-ubyte; add the missing file(s) "
+        f"(.gz or not), or delete the folder so a download fills it"]
