@@ -2,9 +2,11 @@
 import os
 import signal
 import socket
+import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from conftest import ROOT, finish, metrics, python, start
@@ -59,3 +61,69 @@ def test_only_global_rank_0_writes_checkpoints(tmp_path):
     assert (a / "epoch_1.pt").is_file()
     assert not list(b.glob("epoch_*.pt"))  # node 1 wrote nothing
     assert f"error: cannot read checkpoint {b / 'epoch_1.pt'}" in results[1].stderr
+
+
+@pytest.fixture
+def two_hosts():
+    """Two network namespaces joined by a veth pair: hosts 10.213.0.1 and 10.213.0.2 that
+    exist only inside this test. Needs root (CAP_NET_ADMIN), as CI has."""
+    tag = f"{os.getpid() % 100000}"
+    names = [f"ddp{tag}a", f"ddp{tag}b"]
+    setup = [["ip", "netns", "add", names[0]], ["ip", "netns", "add", names[1]],
+             ["ip", "link", "add", f"v{names[0]}", "type", "veth", "peer", "name", f"v{names[1]}"]]
+    for i, name in enumerate(names):
+        setup += [["ip", "link", "set", f"v{name}", "netns", name],
+                  ["ip", "-n", name, "addr", "add", f"10.213.0.{i + 1}/24", "dev", f"v{name}"],
+                  ["ip", "-n", name, "link", "set", f"v{name}", "up"],
+                  ["ip", "-n", name, "link", "set", "lo", "up"]]
+    try:
+        for cmd in setup:
+            if subprocess.run(cmd, capture_output=True).returncode != 0:
+                if os.environ.get("CI"):
+                    pytest.fail(f"CI runs as root and must build namespaces: {' '.join(cmd)} failed")
+                pytest.skip(f"cannot create network namespaces here ({' '.join(cmd)} failed; needs root)")
+        yield names
+    finally:
+        for name in names:
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
+
+
+def test_two_network_namespaces_as_two_hosts(two_hosts, tmp_path):
+    """Each node reaches the other only through its own address; gloo must be told which
+    interface to use (GLOO_SOCKET_IFNAME), or it binds to the loopback its hostname resolves to."""
+    port, out, ckpt = free_port(), tmp_path / "m.json", tmp_path / "ckpt"
+    for script, flags in (("ddp_gather.py", ["--cpu"]), ("ddp_resnet.py", [*RESNET, "--epochs", 2, "--ckpt-dir", ckpt])):
+        procs = []
+        for rank, ns in enumerate(two_hosts):
+            cmd = node(rank, port, 1, script, *flags, *(["--metrics-out", out] if rank == 0 else []))
+            cmd[cmd.index("--master-addr=127.0.0.1")] = "--master-addr=10.213.0.1"
+            procs.append(start(["ip", "netns", "exec", ns, "env", f"GLOO_SOCKET_IFNAME=v{ns}", *cmd]))
+        for p in procs:
+            finish(p, timeout=240)
+        m = metrics(out)
+        assert m["world_size"] == 2 and m["script"] == script
+        port = free_port()
+    assert m["param_sha256_per_rank"][0] == m["param_sha256_per_rank"][1]
+
+
+def test_elastic_restart_resumes_and_matches_an_uninterrupted_run(tmp_path):
+    """torchrun --max-restarts=1 with one worker SIGKILLed after epoch 2: the new workers resume
+    from the newest checkpoint and end with the weights of a run that was never interrupted."""
+    flags = [*RESNET, "--epochs", 5]
+    finish(start(python("ddp_resnet.py", *flags, "--nprocs", 2, "--ckpt-dir", tmp_path / "ref")), timeout=240)
+    ckpt = tmp_path / "elastic"
+    agent = start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                   "--max-restarts=1", str(ROOT / "ddp_resnet.py"), *map(str, flags), "--resume", "--ckpt-dir", str(ckpt)],
+                  env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"})  # see README: restarts on gloo need it
+    deadline = time.monotonic() + 180
+    while not (ckpt / "epoch_2.pt").exists() and time.monotonic() < deadline and agent.poll() is None:
+        time.sleep(0.05)
+    with open(f"/proc/{agent.pid}/task/{agent.pid}/children") as f:
+        workers = [int(c) for c in f.read().split()]
+    assert len(workers) == 2, workers
+    os.kill(workers[1], signal.SIGKILL)
+    res = finish(agent, timeout=300)
+    assert "--resume: no checkpoint" in res.stdout and "--resume: continuing after" in res.stdout
+    ref = torch.load(tmp_path / "ref" / "epoch_5.pt", weights_only=True)["model_state_dict"]
+    got = torch.load(ckpt / "epoch_5.pt", weights_only=True)["model_state_dict"]
+    assert all(torch.equal(ref[k], got[k]) for k in ref)
