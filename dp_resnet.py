@@ -9,6 +9,7 @@ trains on synthetic in-memory images. For real multi-GPU speed use ddp_resnet.py
     python dp_resnet.py --gpus 2 --data /path/to/imagenet/train
     python dp_resnet.py --resume                         # continue after the newest model_checkpoints/epoch_N.pt
     python dp_resnet.py --cpu --arch resnet18 --image-size 64 --epochs 2 --max-steps 5
+    python dp_resnet.py --no-wrap --batch-size 256 --epochs 1   # the baseline: bare model on cuda:0
 
 It prints `epoch 1/2 | step 5/5 | loss 6.9312 | 120 img/s` lines and a final line:
     done | epochs 2 | final_loss 6.9123 | 118 img/s | checkpoint model_checkpoints/epoch_2.pt
@@ -163,9 +164,13 @@ def sync(gpus: int) -> None:
 
 
 def run_training(gpus: int, args: argparse.Namespace) -> None:
-    if gpus:
+    wrap = gpus > 0 and not args.no_wrap
+    if wrap:
         device = torch.device("cuda", 0)  # DataParallel scatters from and gathers to the first GPU
         print0(f"DataParallel over {gpus} GPU(s), global batch {args.batch_size}")
+    elif gpus:
+        device = torch.device("cuda", 0)
+        print0(f"--no-wrap: training the plain model on cuda:0 without DataParallel, batch {args.batch_size}")
     else:
         device = torch.device("cpu")
         print0(f"{'--cpu' if args.cpu else 'no GPUs visible'}: training the plain model on CPU (DataParallel needs GPUs)")
@@ -173,9 +178,9 @@ def run_training(gpus: int, args: argparse.Namespace) -> None:
     fmt = torch.channels_last if args.channels_last else torch.contiguous_format
     torch.manual_seed(args.seed)
     model = build_model(args).to(device, memory_format=fmt)
-    if args.amp:
-        model = Bf16Autocast(model)
-    if gpus:
+    if wrap:
+        if args.amp:  # without DataParallel the autocast around the loss covers the forward too
+            model = Bf16Autocast(model)
         model = torch.nn.parallel.DataParallel(model, device_ids=list(range(gpus)), dim=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=args.momentum, weight_decay=args.weight_decay)
     criterion = torch.nn.CrossEntropyLoss()
@@ -229,6 +234,7 @@ def run_training(gpus: int, args: argparse.Namespace) -> None:
     if args.metrics_out:
         write_json(args.metrics_out, {
             "script": "dp_resnet.py", "world_size": gpus or 1, "backend": "none", "device": device.type,
+            "wrapper": "DataParallel" if wrap else None,
             "arch": args.arch, "epochs_run": epochs_run, "steps": steps, "final_loss": final_loss,
             "images_per_sec": images_per_sec, "window_images_per_sec": rates,
             "max_memory_gib": [torch.cuda.max_memory_allocated(i) / 2**30 for i in range(gpus)] if gpus else None,
@@ -250,7 +256,9 @@ def check_args(args: argparse.Namespace) -> int:
     if args.gpus is not None and args.gpus > visible:
         sys.exit(f"error: --gpus {args.gpus} but {visible} GPU(s) visible{' with --cpu' if args.cpu else ''}; "
                  f"leave --gpus out to use all of them (the CPU when there are none)")
-    gpus = args.gpus or visible
+    if args.no_wrap and (args.gpus or 1) != 1:
+        sys.exit(f"error: --no-wrap trains on one device, not --gpus {args.gpus}; leave --gpus out")
+    gpus = min(1, visible) if args.no_wrap else args.gpus or visible
     if args.arch not in torchvision.models.list_models(module=torchvision.models):
         sys.exit(f"error: --arch {args.arch} is not a torchvision classification model; try resnet18 or resnet50")
     classes = 1000
@@ -293,6 +301,8 @@ def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--gpus", type=int, help="GPUs to use (the first N); default: all visible")
     p.add_argument("--cpu", action="store_true", help="train the plain model on CPU even where GPUs exist")
+    p.add_argument("--no-wrap", action="store_true",
+                   help="no DataParallel: the plain model on one device (cuda:0, or the CPU), the benchmarks' baseline")
     p.add_argument("--epochs", type=int, default=30, help="train epochs 1..N")
     p.add_argument("--batch-size", type=int, default=64, help="global, split over the GPUs, as in the tutorial")
     p.add_argument("--lr", type=float, default=0.01)
