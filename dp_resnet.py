@@ -15,6 +15,8 @@ It prints `epoch 1/2 | step 5/5 | loss 6.9312 | 120 img/s` lines and a final lin
     done | epochs 2 | final_loss 6.9123 | 118 img/s | checkpoint model_checkpoints/epoch_2.pt
 """
 import argparse
+import hashlib
+import io
 import json
 import os
 import re
@@ -113,29 +115,46 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def save_model(epoch: int, model, optimizer, args: argparse.Namespace) -> Path:
-    """Write atomically: a crash mid-save leaves no half-written epoch_N.pt, only a stray .tmp file."""
+    """Write epoch_N.pt and, first, its sha256 (sha256sum's format) next to it, both atomically:
+    a crash mid-save leaves no half-written file, and bytes altered later are caught on load."""
     folder = Path(args.ckpt_dir)
     folder.mkdir(parents=True, exist_ok=True)
     file = folder / f"epoch_{epoch}.pt"  # fixed: no file.touch(), torch.save creates the file
-    tmp = folder / f"{file.name}.tmp{os.getpid()}"
+    buffer = io.BytesIO()
+    torch.save({"epoch": epoch, "model_state_dict": unwrap(model).state_dict(),  # no "module." prefix
+                "optimizer_state_dict": optimizer.state_dict(), "arch": args.arch,
+                "num_classes": args.num_classes, "image_size": args.image_size}, buffer)
+    data = buffer.getvalue()
+    write_atomic(file.with_name(file.name + ".sha256"), f"{hashlib.sha256(data).hexdigest()}  {file.name}\n".encode())
+    write_atomic(file, data)
+    return file
+
+
+def write_atomic(file: Path, data: bytes) -> None:
+    tmp = file.with_name(f"{file.name}.tmp{os.getpid()}")
     with open(tmp, "wb") as f:
-        torch.save({"epoch": epoch, "model_state_dict": unwrap(model).state_dict(),  # no "module." prefix
-                    "optimizer_state_dict": optimizer.state_dict(), "arch": args.arch,
-                    "num_classes": args.num_classes, "image_size": args.image_size}, f)
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())  # the data is on disk before the rename publishes it
     os.replace(tmp, file)
-    return file
 
 
 def read_checkpoint(file: Path, model, optimizer, args: argparse.Namespace, map_location, assign=False) -> None:
     """Load file into model and optimizer; anything wrong with it is one error line naming the file."""
+    fix = "delete it (and its .sha256) to resume from the one before, or use another --ckpt-dir"
     try:
-        ckpt = torch.load(file, map_location=map_location, weights_only=True)  # data only, never code
+        data = file.read_bytes()
+    except OSError as e:
+        sys.exit(f"error: cannot read checkpoint {file} ({e.strerror}); {fix}")
+    digest = file.with_name(file.name + ".sha256")
+    if digest.is_file():
+        if digest.read_text().split()[:1] != [hashlib.sha256(data).hexdigest()]:
+            sys.exit(f"error: checkpoint {file} does not match {digest.name}: altered or damaged after it was written; {fix}")
+    try:
+        ckpt = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)  # data only, never code
     except Exception as e:  # truncated, corrupt, not a torch file, or objects weights_only refuses
         reason = " ".join(str(e).split("WeightsUnpickler error:")[-1].split())[:120] or "empty file"
-        sys.exit(f"error: cannot read checkpoint {file} ({type(e).__name__}: {reason}); "
-                 f"delete it to resume from the one before, or use another --ckpt-dir")
+        sys.exit(f"error: cannot read checkpoint {file} ({type(e).__name__}: {reason}); {fix}")
     if not isinstance(ckpt, dict) or not {"epoch", "model_state_dict", "optimizer_state_dict"} <= ckpt.keys():
         sys.exit(f"error: {file} is not a checkpoint of this script (needs epoch, model_state_dict, "
                  f"optimizer_state_dict); move it away or use another --ckpt-dir")
@@ -145,6 +164,8 @@ def read_checkpoint(file: Path, model, optimizer, args: argparse.Namespace, map_
     except Exception:  # missing or extra keys, other shapes, other optimizer groups
         sys.exit(f"error: {file} holds a {ckpt.get('arch', '?')} with {ckpt.get('num_classes', '?')} classes, "
                  f"not --arch {args.arch} --num-classes {args.num_classes}; pass those or use another --ckpt-dir")
+    if not digest.is_file() and int(os.environ.get("RANK", "0")) == 0:  # e.g. copied without it
+        print(f"warning: {file} has no {digest.name} next to it; loaded unverified", file=sys.stderr, flush=True)
 
 
 def load_model(device: torch.device, epoch: int, model, optimizer, args: argparse.Namespace) -> None:

@@ -38,6 +38,8 @@ def check_checkpoints(folder, epochs, num_classes: int = 10) -> None:
         assert ckpt["epoch"] == e and ckpt["arch"] == "resnet18" and ckpt["num_classes"] == num_classes
         torchvision.models.resnet18(num_classes=num_classes).load_state_dict(ckpt["model_state_dict"])
         assert ckpt["optimizer_state_dict"]["state"], "momentum buffers missing"
+        sha = hashlib.sha256((folder / f"epoch_{e}.pt").read_bytes()).hexdigest()
+        assert (folder / f"epoch_{e}.pt.sha256").read_text() == f"{sha}  epoch_{e}.pt\n"  # sha256sum -c format
 
 
 def digest(state_dict: dict) -> str:
@@ -131,8 +133,8 @@ def test_dp_on_cpu_and_resume(tmp_path):
 
 
 def test_kill_during_save_leaves_previous_checkpoint(tmp_path):
-    """SIGKILL the whole job the moment rank 0 creates any new file after epoch_1.pt, i.e. while it
-    saves epoch 2: every epoch_N.pt left must be whole, and --resume must continue from epoch 1."""
+    """SIGKILL the whole job the moment rank 0 starts writing a checkpoint after epoch_1.pt: every
+    epoch_N.pt left must be whole, and --resume must continue from the newest of them."""
     for attempt in range(3):
         folder = tmp_path / f"try{attempt}"
         folder.mkdir()
@@ -143,7 +145,7 @@ def test_kill_during_save_leaves_previous_checkpoint(tmp_path):
                 deadline, seen = time.monotonic() + TIMEOUT, None
                 while time.monotonic() < deadline and proc.poll() is None:
                     names = set(os.listdir(folder)) - {"out.txt"}
-                    if "epoch_1.pt" in names and names - {"epoch_1.pt"}:
+                    if "epoch_1.pt" in names and any(re.match(r"epoch_\d+\.pt\.tmp", n) for n in names):
                         os.killpg(proc.pid, signal.SIGKILL)
                         seen = names
                         break
@@ -162,7 +164,7 @@ def test_kill_during_save_leaves_previous_checkpoint(tmp_path):
                 torchvision.models.resnet18(num_classes=10).load_state_dict(load(folder / name)["model_state_dict"])
             except Exception as e:
                 pytest.fail(f"{name} is half-written after the kill: {type(e).__name__}: {e}")
-        if len(whole) < len(files):  # a temporary file is left: the kill landed mid-save
+        if any(".tmp" in p.name for p in files):  # a temporary file is left: the kill landed mid-save
             break
     else:
         pytest.fail("the kill never landed while a checkpoint was being written")
@@ -220,9 +222,10 @@ def test_bad_flags_give_one_error_line(script, flags, words, tmp_path):
     assert not (tmp_path / "ckpt").exists()
 
 
-@pytest.mark.parametrize("script,kind", [("ddp_resnet.py", "truncated"), ("ddp_resnet.py", "garbage"),
-                                         ("ddp_resnet.py", "wrong-model"), ("ddp_resnet.py", "foreign"),
-                                         ("dp_resnet.py", "truncated")])
+@pytest.mark.parametrize("script,kind", [("ddp_resnet.py", "truncated"), ("dp_resnet.py", "garbage"),
+                                         ("ddp_resnet.py", "empty"), ("ddp_resnet.py", "altered"),
+                                         ("dp_resnet.py", "altered"), ("ddp_resnet.py", "wrong-model"),
+                                         ("ddp_resnet.py", "foreign")])
 def test_unreadable_checkpoint_on_resume(script, kind, uninterrupted, tmp_path):
     good = (uninterrupted[0] / "epoch_2.pt").read_bytes()
     bad = tmp_path / "epoch_3.pt"
@@ -232,6 +235,13 @@ def test_unreadable_checkpoint_on_resume(script, kind, uninterrupted, tmp_path):
         bad.write_bytes(good[: len(good) // 2])
     elif kind == "garbage":
         bad.write_bytes(os.urandom(4096))
+    elif kind == "empty":
+        bad.write_bytes(b"")
+    elif kind == "altered":  # one flipped byte in a tensor: torch.load alone would not notice
+        altered = bytearray(good)
+        altered[len(altered) // 2] ^= 0xFF
+        bad.write_bytes(bytes(altered))
+        (tmp_path / "epoch_3.pt.sha256").write_bytes((uninterrupted[0] / "epoch_2.pt.sha256").read_bytes())
     elif kind == "foreign":
         torch.save({"weights": torch.zeros(3)}, bad)
     else:
@@ -239,7 +249,7 @@ def test_unreadable_checkpoint_on_resume(script, kind, uninterrupted, tmp_path):
         flags = [f if f != "resnet18" else "resnet34" for f in flags]
     result = run(python(script, *flags, "--epochs", 4, "--resume", "--ckpt-dir", tmp_path), timeout=60, check=False)
     check_user_error(result, bad)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted({"epoch_2.pt", bad.name})  # nothing trained
+    assert not list(tmp_path.glob("epoch_[4-9].pt"))  # nothing trained
 
 
 def test_unreadable_checkpoint_under_torchrun_ends_the_job(uninterrupted, tmp_path):
