@@ -16,6 +16,7 @@ import argparse
 import gzip
 import json
 import os
+import pickle
 import socket
 import struct
 import sys
@@ -97,8 +98,17 @@ def launch(fn, args: argparse.Namespace) -> None:
         if e.exit_code > 0:  # the rank printed its own error line
             sys.exit(e.exit_code)
         sys.exit(f"error: rank {e.error_index} was killed by {e.signal_name}; the other ranks were stopped")
-    except mp.ProcessRaisedException as e:  # show the rank's traceback, not the launcher's
-        sys.exit(f"{e.msg.strip()}\nerror: rank {e.error_index} failed (above); the other ranks were stopped")
+    except mp.ProcessRaisedException:
+        # Show every rank's traceback, not the launcher's: the first failure noticed is often a
+        # peer that only lost its connection to the rank that really failed.
+        failed = []
+        for rank, path in enumerate(context.error_files):
+            if os.path.exists(path):  # written by a rank that raised
+                with open(path, "rb") as f:
+                    print(f"-- rank {rank}:\n{pickle.load(f).strip()}", file=sys.stderr)
+                os.remove(path)
+                failed.append(str(rank))
+        sys.exit(f"error: rank {', '.join(failed)} failed (above); the other ranks were stopped")
 
 
 def default_nprocs() -> int:

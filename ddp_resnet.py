@@ -16,8 +16,10 @@ Rank 0 prints `epoch 1/2 | step 5/5 | loss 6.9312 | 210 img/s` lines and a final
 """
 import argparse
 import hashlib
+import io
 import json
 import os
+import pickle
 import re
 import socket
 import statistics
@@ -61,8 +63,14 @@ def ddp_setup(local_rank: int, nprocs: int, cpu: bool, timeout: float) -> torch.
         device, backend = torch.device("cuda", local_rank), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"  # gloo: NCCL needs a GPU per process
+    level = dist.get_debug_level()
+    if backend == "gloo" and level == dist.DebugLevel.DETAIL:
+        # torch bug (seen in 2.13 and 2.14): DDP's constructor segfaults on a gloo group that
+        # TORCH_DISTRIBUTED_DEBUG=DETAIL wrapped for collective checks. Leave the group unwrapped.
+        dist.set_debug_level(dist.DebugLevel.INFO)
     # A finite timeout turns a dead or missing rank into an error instead of a hang.
     dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout))
+    dist.set_debug_level(level)  # DDP's own DETAIL checks stay on
     return device
 
 
@@ -78,10 +86,27 @@ def launch(fn, args: argparse.Namespace) -> None:
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", str(free_port()))
+    context = mp.spawn(fn, args=(args,), nprocs=args.nprocs, join=False)
     try:
-        mp.spawn(fn, args=(args,), nprocs=args.nprocs, join=True)
-    except mp.ProcessExitedException as e:  # the rank printed its own error line
-        sys.exit(e.exit_code if e.exit_code > 0 else 1)
+        # Once a rank fails the others get 3 s, then SIGTERM, then SIGKILL: mp.spawn's default
+        # waits 30 s for a rank that ignores SIGTERM (a stopped one, say).
+        while not context.join(grace_period=3):
+            pass
+    except mp.ProcessExitedException as e:
+        if e.exit_code > 0:  # the rank printed its own error line
+            sys.exit(e.exit_code)
+        sys.exit(f"error: rank {e.error_index} was killed by {e.signal_name}; the other ranks were stopped")
+    except mp.ProcessRaisedException:
+        # Show every rank's traceback, not the launcher's: the first failure noticed is often a
+        # peer that only lost its connection to the rank that really failed.
+        failed = []
+        for rank, path in enumerate(context.error_files):
+            if os.path.exists(path):  # written by a rank that raised
+                with open(path, "rb") as f:
+                    print(f"-- rank {rank}:\n{pickle.load(f).strip()}", file=sys.stderr)
+                os.remove(path)
+                failed.append(str(rank))
+        sys.exit(f"error: rank {', '.join(failed)} failed (above); the other ranks were stopped")
 
 
 def default_nprocs() -> int:
@@ -99,6 +124,13 @@ def check_launch(args: argparse.Namespace) -> None:
         sys.exit(f"error: --nprocs {args.nprocs} but only {gpus} GPU(s) visible; use --nprocs {gpus} or --cpu")
     if args.timeout <= 0:
         sys.exit(f"error: --timeout must be positive, got {args.timeout}")
+    if "MASTER_PORT" in os.environ:  # yours, honoured: but rank 0 must be able to listen on it
+        try:
+            with socket.socket() as s:
+                s.bind((os.environ.get("MASTER_ADDR", "127.0.0.1"), int(os.environ["MASTER_PORT"])))
+        except (OSError, ValueError) as e:
+            sys.exit(f"error: MASTER_PORT={os.environ['MASTER_PORT']} cannot be used here ({getattr(e, 'strerror', None) or e}); "
+                     f"unset it and a free port is picked")
 
 
 def write_json(path: str, obj: dict) -> None:
@@ -155,29 +187,46 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
 
 
 def save_model(epoch: int, model, optimizer, args: argparse.Namespace) -> Path:
-    """Write atomically: a crash mid-save leaves no half-written epoch_N.pt, only a stray .tmp file."""
+    """Write epoch_N.pt and, first, its sha256 (sha256sum's format) next to it, both atomically:
+    a crash mid-save leaves no half-written file, and bytes altered later are caught on load."""
     folder = Path(args.ckpt_dir)
     folder.mkdir(parents=True, exist_ok=True)
     file = folder / f"epoch_{epoch}.pt"  # fixed: no file.touch(), torch.save creates the file
-    tmp = folder / f"{file.name}.tmp{os.getpid()}"
+    buffer = io.BytesIO()
+    torch.save({"epoch": epoch, "model_state_dict": model.module.state_dict(),  # no "module." prefix
+                "optimizer_state_dict": optimizer.state_dict(), "arch": args.arch,
+                "num_classes": args.num_classes, "image_size": args.image_size}, buffer)
+    data = buffer.getvalue()
+    write_atomic(file.with_name(file.name + ".sha256"), f"{hashlib.sha256(data).hexdigest()}  {file.name}\n".encode())
+    write_atomic(file, data)
+    return file
+
+
+def write_atomic(file: Path, data: bytes) -> None:
+    tmp = file.with_name(f"{file.name}.tmp{os.getpid()}")
     with open(tmp, "wb") as f:
-        torch.save({"epoch": epoch, "model_state_dict": model.module.state_dict(),  # unwrapped: no "module."
-                    "optimizer_state_dict": optimizer.state_dict(), "arch": args.arch,
-                    "num_classes": args.num_classes, "image_size": args.image_size}, f)
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())  # the data is on disk before the rename publishes it
     os.replace(tmp, file)
-    return file
 
 
 def read_checkpoint(file: Path, model, optimizer, args: argparse.Namespace, map_location, assign=False) -> None:
     """Load file into model and optimizer; anything wrong with it is one error line naming the file."""
+    fix = "delete it (and its .sha256) to resume from the one before, or use another --ckpt-dir"
     try:
-        ckpt = torch.load(file, map_location=map_location, weights_only=True)  # data only, never code
+        data = file.read_bytes()
+    except OSError as e:
+        sys.exit(f"error: cannot read checkpoint {file} ({e.strerror}); {fix}")
+    digest = file.with_name(file.name + ".sha256")
+    if digest.is_file():
+        if digest.read_text().split()[:1] != [hashlib.sha256(data).hexdigest()]:
+            sys.exit(f"error: checkpoint {file} does not match {digest.name}: altered or damaged after it was written; {fix}")
+    try:
+        ckpt = torch.load(io.BytesIO(data), map_location=map_location, weights_only=True)  # data only, never code
     except Exception as e:  # truncated, corrupt, not a torch file, or objects weights_only refuses
         reason = " ".join(str(e).split("WeightsUnpickler error:")[-1].split())[:120] or "empty file"
-        sys.exit(f"error: cannot read checkpoint {file} ({type(e).__name__}: {reason}); "
-                 f"delete it to resume from the one before, or use another --ckpt-dir")
+        sys.exit(f"error: cannot read checkpoint {file} ({type(e).__name__}: {reason}); {fix}")
     if not isinstance(ckpt, dict) or not {"epoch", "model_state_dict", "optimizer_state_dict"} <= ckpt.keys():
         sys.exit(f"error: {file} is not a checkpoint of this script (needs epoch, model_state_dict, "
                  f"optimizer_state_dict); move it away or use another --ckpt-dir")
@@ -187,6 +236,8 @@ def read_checkpoint(file: Path, model, optimizer, args: argparse.Namespace, map_
     except Exception:  # missing or extra keys, other shapes, other optimizer groups
         sys.exit(f"error: {file} holds a {ckpt.get('arch', '?')} with {ckpt.get('num_classes', '?')} classes, "
                  f"not --arch {args.arch} --num-classes {args.num_classes}; pass those or use another --ckpt-dir")
+    if not digest.is_file() and int(os.environ.get("RANK", "0")) == 0:  # e.g. copied without it
+        print(f"warning: {file} has no {digest.name} next to it; loaded unverified", file=sys.stderr, flush=True)
 
 
 def load_model(device: torch.device, epoch: int, model, optimizer, args: argparse.Namespace) -> None:
@@ -224,6 +275,12 @@ def run_training_process_on_given_gpu(local_rank: int, args: argparse.Namespace)
     device = ddp_setup(local_rank, args.nprocs, args.cpu, args.timeout)
     try:
         rank, world_size = dist.get_rank(), dist.get_world_size()
+        if (rank == 0 and dist.get_backend() == "gloo" and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+                and int(os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0):
+            # Restarted gloo workers that share torchrun's store can fail in connectFullMesh with
+            # "Connection refused" (pytorch/pytorch#135712); the variable gives each round its own store.
+            print("warning: torchrun --max-restarts on gloo: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+                  "or a restart may fail with 'Connection refused'", file=sys.stderr, flush=True)
         if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # torchrun sets it to 1
             # spawned ranks share the cores: one thread pool each, not world_size pools of all cores
             local_procs = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))

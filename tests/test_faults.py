@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from conftest import finish, python, run, start, tagged, torchrun
+from conftest import finish, metrics, python, run, start, tagged, torchrun
 
 FM = ["--cpu", "--synthetic", "--timeout", "10"]
 
@@ -112,20 +112,19 @@ def test_killed_rank_ends_the_job_within_seconds(launcher):
         assert "error: rank 1 was killed by SIGKILL; the other ranks were stopped" in res.stderr
 
 
-@pytest.mark.parametrize("launcher,margin", [("spawn", 15), ("torchrun", 40)])
-def test_hung_rank_ends_the_job_after_the_timeout(launcher, margin):
-    """A stopped rank never reaches the next collective: the others give up after --timeout."""
-    flags = [*FM, "--epochs", 100]
-    proc = start(python("ddp_fashionmnist.py", "--nprocs", 2, *flags) if launcher == "spawn"
-                 else torchrun("ddp_fashionmnist.py", 2, *flags))
-    victim = wait_for_ranks(proc, 2, launcher == "torchrun")[1]
+def test_hung_rank_ends_the_job_after_the_timeout():
+    """A stopped rank never reaches the next collective: the others give up after --timeout, and
+    the launcher kills the stopped one. (Under torchrun the agent adds its own 30 s before its
+    SIGKILL; measured once by hand, see the README, not repeated here to keep the suite short.)"""
+    proc = start(python("ddp_fashionmnist.py", "--nprocs", 2, *FM, "--epochs", 100))
+    victim = wait_for_ranks(proc, 2, under_torchrun=False)[1]
     time.sleep(3)
     os.kill(victim, signal.SIGSTOP)
     stopped = time.monotonic()
     res = finish(proc, timeout=120, check=False)
     took = time.monotonic() - stopped
     assert res.returncode != 0
-    assert 10 <= took < 10 + margin, took
+    assert 10 <= took < 10 + 15, took
     assert "Timed out" in res.stderr or "timed out" in res.stderr
 
 
@@ -143,3 +142,58 @@ def test_non_positive_nprocs_is_one_clear_error(nprocs):
 def test_scripts_pass_with_distributed_debug_detail(cmd):
     res = run(python(*cmd), timeout=180, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
     assert "done |" in res.stdout or "gathered" in res.stdout
+
+
+RESNET = ["--cpu", "--arch", "resnet18", "--image-size", 32, "--batch-size", 4, "--max-steps", 2,
+          "--synthetic-size", 32, "--num-classes", 10, "--timeout", 30]
+
+
+def test_resnet_passes_with_distributed_debug_detail(tmp_path):
+    run(python("ddp_resnet.py", *RESNET, "--epochs", 2, "--ckpt-dir", tmp_path),
+        timeout=180, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    assert (tmp_path / "epoch_2.pt").is_file()
+
+
+def image_folder(root, per_class: int, broken: int = -1):
+    """3 classes of small PNGs; image number `broken` of class_1 is not an image at all."""
+    from PIL import Image
+    for c in range(3):
+        (root / f"class_{c}").mkdir(parents=True)
+        for i in range(per_class):
+            path = root / f"class_{c}" / f"{i}.png"
+            if c == 1 and i == broken:
+                path.write_bytes(b"not a png")
+            else:
+                Image.new("RGB", (40, 40), (40 * c, 10 * i, 99)).save(path)
+    return root
+
+
+@pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
+def test_exception_in_one_rank_ends_the_job(tmp_path, launcher):
+    """A corrupt image makes the one rank that reads it raise mid-epoch; the other is waiting in
+    a collective. The job must end promptly with an error, and leave no process behind."""
+    data = image_folder(tmp_path / "data", per_class=8, broken=5)
+    flags = ["--cpu", "--arch", "resnet18", "--image-size", 32, "--batch-size", 2, "--epochs", 3,
+             "--timeout", 120, "--data", data, "--ckpt-dir", tmp_path / "ckpt"]
+    cmd = python("ddp_resnet.py", "--nprocs", 2, *flags) if launcher == "spawn" else torchrun("ddp_resnet.py", 2, *flags)
+    began = time.monotonic()
+    res = finish(start(cmd), timeout=110, check=False)  # well under --timeout: nobody waited for it
+    assert res.returncode != 0
+    assert "cannot identify image file" in res.stderr and "class_1/5.png" in res.stderr  # the root cause shown
+    if launcher == "spawn":
+        assert "failed (above); the other ranks were stopped" in res.stderr.splitlines()[-1]
+    assert time.monotonic() - began < 110
+
+
+@pytest.mark.parametrize("nprocs", [3])
+def test_dataset_not_divisible_by_world_size(tmp_path, nprocs):
+    """11 images over 3 ranks: DistributedSampler pads, every rank runs the same steps, no hang."""
+    data = image_folder(tmp_path / "data", per_class=4)
+    (data / "class_2" / "3.png").rename(data / "class_2" / "3.txt")  # 11 images
+    out = tmp_path / "m.json"
+    run(python("ddp_resnet.py", "--cpu", "--nprocs", nprocs, "--arch", "resnet18", "--image-size", 32,
+               "--batch-size", 2, "--epochs", 2, "--timeout", 60, "--data", data,
+               "--ckpt-dir", tmp_path / "ckpt", "--metrics-out", out), timeout=240)
+    m = metrics(out)
+    per_rank = -(-11 // nprocs)  # padded share
+    assert m["steps"] == 2 * (per_rank // 2) and len(set(m["param_sha256_per_rank"])) == 1

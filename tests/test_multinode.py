@@ -49,7 +49,7 @@ def test_resnet_across_two_nodes_with_a_shared_checkpoint_folder(tmp_path):
     assert m["world_size"] == 2 and m["epochs_run"] == 3
     sha = m["param_sha256_per_rank"]
     assert len(sha) == 2 and sha[0] == sha[1]  # both nodes reloaded rank 0's epoch_2.pt
-    assert sorted(p.name for p in ckpt.iterdir()) == ["epoch_1.pt", "epoch_2.pt", "epoch_3.pt"]
+    assert sorted(p.name for p in ckpt.glob("epoch_*.pt")) == ["epoch_1.pt", "epoch_2.pt", "epoch_3.pt"]
 
 
 def test_only_global_rank_0_writes_checkpoints(tmp_path):
