@@ -65,7 +65,7 @@ def ddp_setup(local_rank: int, nprocs: int, cpu: bool, timeout: float) -> torch.
         device, backend = torch.device("cpu"), "gloo"  # gloo: NCCL needs a GPU per process
     level = dist.get_debug_level()
     if backend == "gloo" and level == dist.DebugLevel.DETAIL:
-        # torch bug (seen in 2.13 and 2.14): DDP's constructor segfaults on a gloo group that
+        # torch bug (seen in 2.11 to 2.14): DDP's constructor segfaults on a gloo group that
         # TORCH_DISTRIBUTED_DEBUG=DETAIL wrapped for collective checks. Leave the group unwrapped.
         dist.set_debug_level(dist.DebugLevel.INFO)
     # A finite timeout turns a dead or missing rank into an error instead of a hang.
