@@ -34,3 +34,33 @@ def test_run_all_keeps_going_and_fails_when_a_run_fails(tmp_path):
     assert "FAILED (exit 1)" in next(r for r in rows if "ddp_fashionmnist.py" in r)
     assert all("| ok: " in r for r in rows if "ddp_gather.py" in r)
     assert "1 run(s) FAILED" in res.stdout
+
+
+def test_a_killed_run_fails_the_runner_and_leaves_no_process(tmp_path):
+    """SIGKILL the launcher process of one run: its ranks must go too, and run_all.sh exits 1."""
+    import os
+    import signal
+    import time
+
+    from conftest import finish, start, tagged
+    shutil.copy(ROOT / "run_all.sh", tmp_path)
+    shutil.copy(ROOT / "ddp_fashionmnist.py", tmp_path)
+    proc = start(["bash", str(tmp_path / "run_all.sh")], cwd=tmp_path, env={"RUNS_DIR": str(tmp_path / "runs")})
+    deadline, launcher = time.monotonic() + 120, None
+    while launcher is None and time.monotonic() < deadline:
+        for pid in tagged(proc.mark):  # this run's processes only
+            try:
+                cmdline = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+            except OSError:
+                continue
+            if len(cmdline) > 1 and cmdline[1] == b"ddp_fashionmnist.py":  # the launcher, not `timeout`
+                ranks = open(f"/proc/{pid}/task/{pid}/children").read().split()
+                if len(ranks) >= 2:  # the resource tracker and at least one rank
+                    launcher = int(pid)
+        time.sleep(0.2)
+    assert launcher, "the FashionMNIST run never started its ranks"
+    time.sleep(2)
+    os.kill(launcher, signal.SIGKILL)
+    res = finish(proc, timeout=180, check=False)  # fails if any rank outlived its launcher
+    assert res.returncode == 1
+    assert "FAILED (exit 137)" in next(r for r in table_rows(res.stdout) if "ddp_fashionmnist.py" in r)
