@@ -1,5 +1,4 @@
 """ddp_fashionmnist.py: launch paths, real DDP, evaluation counted once, real accuracy, bad input."""
-import gzip
 import os
 import struct
 

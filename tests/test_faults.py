@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from conftest import finish, metrics, python, run, start, tagged, torchrun
+from conftest import finish, metrics, python, run, start, torchrun
 
 FM = ["--cpu", "--synthetic", "--timeout", "10"]
 
