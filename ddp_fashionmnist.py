@@ -73,6 +73,10 @@ def ddp_setup(local_rank: int, nprocs: int, cpu: bool, timeout: float) -> torch.
     # A finite timeout turns a dead or missing rank into an error instead of a hang.
     dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout))
     dist.set_debug_level(level)  # DDP's own DETAIL checks stay on
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # torchrun sets it to 1
+        # Ranks on one machine share its cores: one thread pool each, not N pools of all cores.
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
     return device
 
 
@@ -307,8 +311,6 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
     device = ddp_setup(local_rank, args.nprocs, args.cpu, args.timeout)
     try:
         world_size = dist.get_world_size()
-        if device.type == "cpu" and not args.torchrun:  # torchrun sets OMP_NUM_THREADS itself
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))  # no oversubscription
         if not args.synthetic and args.torchrun:
             # Under torchrun nothing ran before the workers: one process per node gets the data,
             # the others wait for its verdict instead of all downloading at once.

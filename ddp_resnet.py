@@ -71,6 +71,10 @@ def ddp_setup(local_rank: int, nprocs: int, cpu: bool, timeout: float) -> torch.
     # A finite timeout turns a dead or missing rank into an error instead of a hang.
     dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout))
     dist.set_debug_level(level)  # DDP's own DETAIL checks stay on
+    if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # torchrun sets it to 1
+        # Ranks on one machine share its cores: one thread pool each, not N pools of all cores.
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
     return device
 
 
@@ -281,10 +285,6 @@ def run_training_process_on_given_gpu(local_rank: int, args: argparse.Namespace)
             # "Connection refused" (pytorch/pytorch#135712); the variable gives each round its own store.
             print("warning: torchrun --max-restarts on gloo: set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
                   "or a restart may fail with 'Connection refused'", file=sys.stderr, flush=True)
-        if device.type == "cpu" and "OMP_NUM_THREADS" not in os.environ:  # torchrun sets it to 1
-            # spawned ranks share the cores: one thread pool each, not world_size pools of all cores
-            local_procs = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_procs))
         torch.backends.cudnn.benchmark = True  # fixed input size: pick the fastest kernels once
         fmt = torch.channels_last if args.channels_last else torch.contiguous_format
         torch.manual_seed(args.seed)
