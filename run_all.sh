@@ -11,9 +11,9 @@
 # --bench measures, on synthetic data with the same batch per GPU (--bench-batch N, default 256):
 # the plain model on one GPU (dp_resnet.py --no-wrap), then dp_resnet.py and ddp_resnet.py on
 # 1..N GPUs (all visible; CUDA_VISIBLE_DEVICES to choose), each in default precision and with
-# --amp --channels-last; ResNet50, 224 px, 10 warm-up steps, median of 5 windows of 10 steps.
+# --amp --channels-last; ResNet50, 224 px, images/s over 50 steps after 10 warm-up steps.
 # Without a GPU it runs a tiny CPU version on gloo (resnet18, 32 px, batch 8, 1 and 2 processes
-# of half the cores each).
+# of half the cores each, default precision only: bf16 on a CPU says nothing about a GPU).
 set -u
 cd "$(dirname "$0")"
 mode=smoke
@@ -73,10 +73,10 @@ timed() {
 
 if [ "$mode" = bench ]; then
   if [ "$gpus" -gt 0 ]; then
-    batch=${bench_batch:-256} steps=60 warmup=10 every=10 counts=$(seq 1 "$gpus")
+    batch=${bench_batch:-256} steps=60 warmup=10 every=10 counts=$(seq 1 "$gpus") precisions="default amp"
     setup=(--arch resnet50 --image-size 224 --workers 4)  # 4 loader workers per process feed in-memory images
   else
-    batch=${bench_batch:-8} steps=8 warmup=2 every=2 counts="1 2"
+    batch=${bench_batch:-8} steps=8 warmup=2 every=2 counts="1 2" precisions=default
     setup=(--cpu --arch resnet18 --image-size 32 --workers 0)
     # one CPU "device": a process with half the cores, so 1 and 2 processes compare like 1 and 2 GPUs
     threads=$(( $(nproc) / 2 )); export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( threads > 0 ? threads : 1 ))}
@@ -95,7 +95,7 @@ if [ "$mode" = bench ]; then
     [ $status -eq 0 ] || tail -n 5 "$RUNS/$tag.log" | sed 's/^/    /'
     printf '%s\t%s\t%s\t%s\t%s\n' "$mode" "$n" "$prec" "$status" "$RUNS/$tag.json" >>"$listing"
   }
-  for prec in default amp; do
+  for prec in $precisions; do
     flags=(); [ $prec = amp ] && flags=(--amp --channels-last)
     bench plain 1 $prec "$PY" dp_resnet.py --no-wrap --batch-size "$batch" "${flags[@]}"
     for n in $counts; do
@@ -111,7 +111,7 @@ if [ "$mode" = bench ]; then
 import json, os, platform, sys
 listing, out, gpus, versions, threads, batch, steps, warmup, every = sys.argv[1:10]
 setup = " ".join(sys.argv[10:])
-gpus, windows = int(gpus), (int(steps) - int(warmup)) // int(every)
+gpus, timed = int(gpus), int(steps) - int(warmup)
 PRECISION = {"default": "default", "amp": "amp + channels-last"}
 if gpus:
     import torch
@@ -153,17 +153,19 @@ for mode, n, prec, ok, mem, why in rows:
              f"{max(mem):.1f}" if ok and mem else "-"]
     lines.append("| " + " | ".join(cells) + " |")
 each = "GPU" if gpus else "process"
-overhead = ", ".join(f"{PRECISION[p]} {ratio(ips.get(('ddp', 1, p)), ips.get(('plain', 1, p)))}" for p in PRECISION)
+run = sorted({r[2] for r in rows}, key=list(PRECISION).index)  # the precisions that ran
+overhead = ", ".join(f"{PRECISION[p]} {ratio(ips.get(('ddp', 1, p)), ips.get(('plain', 1, p)))}" for p in run)
 lines += ["", f"images/s: all {'GPUs' if gpus else 'processes'} together, synthetic in-memory images, batch {batch} per {each}"
               + (f" (DataParallel: one batch of {batch} x N)" if gpus else "")
-              + f"; median of {windows} timed windows of {every} steps after {warmup} warm-up steps, "
+              + f"; over the {timed} steps after {warmup} warm-up steps, "
               f"device synchronised before each clock read.",
           f"scaling vs 1 GPU = images/s / (N x images/s of the same mode and precision at N = 1). "
           f"DDP / DP = DDP images/s / DataParallel images/s at the same N and precision.",
           f"plain = dp_resnet.py --no-wrap: the torchvision model on one {'GPU' if gpus else 'CPU process'} without any "
           f"wrapper. DDP on 1 {each} / plain: {overhead}.",
-          "precision: default = fp32" + (" (cuDNN may run convolutions in TF32, PyTorch's default)" if gpus else "")
-          + "; amp + channels-last = --amp --channels-last: bf16 autocast, NHWC tensors."]
+          "precision: default = fp32" + (" (cuDNN may run convolutions in TF32, PyTorch's default); amp + "
+          "channels-last = --amp --channels-last: bf16 autocast, NHWC tensors." if gpus else
+          " only: bf16 autocast on a CPU says nothing about a GPU.")]
 if gpus:
     lines.append("peak mem/GPU: torch.cuda.max_memory_allocated, the largest over the GPUs "
                  "(DataParallel gathers the outputs on GPU 0).")
@@ -214,7 +216,8 @@ m, note = json.load(open(sys.argv[1])), sys.argv[2]
 keys = ("test_accuracy", "images_per_sec", "final_loss")
 parts = [f"{k} {m[k]:.4g}" for k in keys if isinstance(m.get(k), (int, float))]
 if "gathered" in m:
-    parts.append(f"gathered {len(m['gathered'])} objects in rank order: {m.get('in_rank_order')}")
+    in_order = [g["dict"]["rank"] for g in m["gathered"]] == list(range(m["world_size"]))
+    parts.append(f"gathered {len(m['gathered'])} objects in rank order: {in_order}")
 print("ok: " + ", ".join(parts + ([note] if note else [])))
 EOF
 )

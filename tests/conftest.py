@@ -89,3 +89,30 @@ def torchrun(script: str, nproc: int, *flags) -> list:
 
 def metrics(path) -> dict:
     return json.loads(Path(path).read_text())
+
+
+# resnet18 on 32 px synthetic images, 2 steps an epoch: the small DDP run most tests share
+RESNET = ["--cpu", "--arch", "resnet18", "--image-size", 32, "--batch-size", 4, "--max-steps", 2,
+          "--synthetic-size", 32, "--num-classes", 10, "--timeout", 60]
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # the same kernels in every run: bitwise-comparable weights
+
+
+@pytest.fixture(scope="session")
+def uninterrupted(tmp_path_factory):
+    """One 4-epoch spawned DDP run (--resume on an empty folder: it starts fresh): what other
+    launches, resumes and nodes must reproduce."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    result = run(python("ddp_resnet.py", *RESNET, "--nprocs", 2, "--epochs", 4, "--ckpt-dir", folder,
+                        "--resume", "--metrics-out", folder / "metrics.json"), timeout=180, env=ONE_THREAD)
+    return folder, result.stdout
+
+
+def same_weights(a, b) -> None:
+    """Two checkpoints hold bitwise-equal weights and momentum buffers."""
+    import torch
+    a, b = (torch.load(f, map_location="cpu", weights_only=True) for f in (a, b))
+    assert a["model_state_dict"].keys() == b["model_state_dict"].keys()
+    for k, t in a["model_state_dict"].items():
+        assert torch.equal(t, b["model_state_dict"][k]), f"{k} differs"
+    for i, s in a["optimizer_state_dict"]["state"].items():
+        assert torch.equal(s["momentum_buffer"], b["optimizer_state_dict"]["state"][i]["momentum_buffer"])

@@ -4,7 +4,6 @@ import json
 import math
 import re
 import shutil
-import statistics
 import sys
 
 import torch
@@ -15,7 +14,7 @@ from conftest import ROOT, run
 HEADER = "| GPUs | mode | precision | images/s | scaling vs 1 GPU | DDP / DP | peak mem/GPU (GiB) |"
 COLUMNS = ["gpus", "mode", "precision", "ips", "scaling", "vs_dp", "mem"]
 PRECISIONS = {"default": "default", "amp + channels-last": "amp"}  # table label -> file tag
-CPU_ROWS = {(n, mode, p) for p in PRECISIONS for n, mode in [(1, "plain"), (1, "ddp"), (2, "ddp")]}
+CPU_ROWS = {(n, mode, "default") for n, mode in [(1, "plain"), (1, "ddp"), (2, "ddp")]}  # no bf16 on CPU
 
 
 def bench_table(text: str) -> list:
@@ -63,12 +62,9 @@ def test_bench_on_cpu_prints_a_measured_table(tmp_path):
         metrics = json.loads((tmp_path / f"bench_{mode}_x{n}_{PRECISIONS[prec]}.json").read_text())
         assert row["ips"] == f"{metrics['images_per_sec']:.1f}"
         measured[n, mode, prec] = metrics["images_per_sec"]
-        windows = metrics["window_images_per_sec"]
-        assert len(windows) == 3 and all(w > 0 for w in windows)  # 8 steps: 2 warm-up, 3 windows of 2
         assert metrics["device"] == "cpu" and metrics["world_size"] == n and metrics["steps"] == 8
         if mode == "plain":
             assert metrics["script"] == "dp_resnet.py" and metrics["wrapper"] is None
-            assert metrics["images_per_sec"] == statistics.median(windows)
         else:
             assert metrics["script"] == "ddp_resnet.py" and metrics["backend"] == "gloo"
         # no DataParallel on CPU, so no DDP / DP ratio; no GPU memory
@@ -78,7 +74,7 @@ def test_bench_on_cpu_prints_a_measured_table(tmp_path):
         assert positive(row["scaling"]) == round(measured[n, mode, prec] / (n * measured[1, mode, prec]), 2)
     assert "scaling vs 1 GPU = images/s / (N x images/s of the same mode and precision at N = 1)" in out
     assert re.search(r"^CPU: .*compare with no GPU figure.*says nothing about GPUs", out, re.M)
-    assert re.search(r"DDP on 1 process / plain: default \d+\.\d\d, amp \+ channels-last \d+\.\d\d\.", out)
+    assert re.search(r"DDP on 1 process / plain: default \d+\.\d\d\.", out)
     saved = (tmp_path / "bench.md").read_text()
     assert bench_table(saved) == rows and saved.startswith("bench | CPU: ")
     assert not list(tmp_path.rglob("*.pt")) and not list(tmp_path.glob("bench_ckpt.*"))  # checkpoints removed
@@ -97,14 +93,14 @@ def test_bench_shows_failed_runs_and_exits_non_zero(tmp_path):
     res = bench(tmp_path / "runs", timeout=120, check=False, cwd=tmp_path)
     assert res.returncode == 1, res.stdout + res.stderr
     rows = {(r["gpus"], r["mode"], PRECISIONS[r["precision"]]): r for r in bench_table(res.stdout)}
-    assert len(rows) == 6
-    for prec in PRECISIONS.values():
+    assert len(rows) == 3
+    for prec in ["default"]:
         assert rows["1 (CPU)", "plain", prec]["ips"] == "12.5"
         assert rows["1 (CPU)", "ddp", prec]["ips"] == "FAILED (no images/s in its metrics)"
         assert rows["2 (CPU)", "ddp", prec]["ips"] == "FAILED (exit 1)"
         assert rows["2 (CPU)", "ddp", prec]["scaling"] == "-"
     assert "boom" in res.stdout  # the failed run's last lines
-    assert "4 run(s) FAILED" in res.stdout
+    assert "2 run(s) FAILED" in res.stdout
     assert (tmp_path / "runs" / "bench.md").is_file()
 
 

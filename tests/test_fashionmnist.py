@@ -1,11 +1,12 @@
 """ddp_fashionmnist.py: launch paths, real DDP, evaluation counted once, real accuracy, bad input."""
 import os
 import struct
+import sys
 
 import pytest
 import torch
 
-from conftest import DEBIAN_FMNIST, metrics, python, run, torchrun
+from conftest import DEBIAN_FMNIST, ROOT, metrics, python, run, torchrun
 
 SMOKE = ["--cpu", "--synthetic", "--epochs", "2", "--max-steps", "5", "--timeout", "60"]
 
@@ -31,12 +32,14 @@ def tiny_fmnist(root, truncate: int = 0):
 
 @pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
 def test_smoke_both_launchers(tmp_path, launcher):
+    """Spawned, also under TORCH_DISTRIBUTED_DEBUG=DETAIL, which crashes DDP on gloo in torch
+    2.11-2.14 unless the script leaves the gloo group unwrapped."""
     out = tmp_path / "m.json"
     if launcher == "spawn":
         cmd = python("ddp_fashionmnist.py", "--nprocs", 2, *SMOKE, "--metrics-out", out)
     else:
         cmd = torchrun("ddp_fashionmnist.py", 2, *SMOKE, "--metrics-out", out)
-    res = run(cmd, timeout=180)
+    res = run(cmd, timeout=180, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"} if launcher == "spawn" else None)
     m = metrics(out)
     assert (m["world_size"], m["backend"], m["device"]) == (2, "gloo", "cpu")
     assert (m["epochs_run"], m["steps"], m["test_samples"]) == (2, 10, 10000)
@@ -56,26 +59,31 @@ def test_ddp_matches_one_process_with_the_global_batch(tmp_path):
     assert w1.keys() == w2.keys()
     for k in w1:
         torch.testing.assert_close(w2[k], w1[k], rtol=0, atol=1e-4)
-    # ...and the weights did move, so the comparison means something
-    init = torch.load(tmp_path / "w1.pt", weights_only=True)
-    run(python("ddp_fashionmnist.py", *common, "--nprocs", 1, "--eval-only",
-               "--save-model", tmp_path / "w0.pt"), timeout=180)
-    assert not torch.equal(torch.load(tmp_path / "w0.pt", weights_only=True)["lin1.weight"], init["lin1.weight"])
+    # ...and the weights did move from the script's own initial ones, so the comparison means something
+    torch.manual_seed(0)
+    init = script().SeqNet(784, 200, 200, 10).state_dict()
+    assert (w1["lin1.weight"] - init["lin1.weight"]).abs().max() > 1e-3
     m1, m2 = metrics(tmp_path / "m1.json"), metrics(tmp_path / "m2.json")
     assert m2["final_loss"] == pytest.approx(m1["final_loss"], rel=1e-4)
 
 
 def test_evaluation_counts_each_image_once(tmp_path):
-    """Same weights, world size 1 and 3 (10,000 does not divide by 3): the same count of correct
-    answers, over exactly 10,000 images."""
+    """The same weights scored by the script's test() at world size 1 and 3 (10,000 does not
+    divide by 3): the same count of correct answers, over exactly 10,000 images."""
     weights = tmp_path / "w.pt"
-    run(python("ddp_fashionmnist.py", *SMOKE, "--nprocs", 1, "--eval-only", "--save-model", weights,
-               "--metrics-out", tmp_path / "m1.json"), timeout=180)
-    run(python("ddp_fashionmnist.py", *SMOKE, "--nprocs", 3, "--eval-only", "--load-model", weights,
-               "--metrics-out", tmp_path / "m3.json"), timeout=180)
-    results = [metrics(tmp_path / "m1.json"), metrics(tmp_path / "m3.json")]
-    assert [r["test_samples"] for r in results] == [10000, 10000]
-    assert results[0]["test_correct"] == results[1]["test_correct"]
+    torch.manual_seed(1)
+    torch.save(script().SeqNet(784, 200, 200, 10).state_dict(), weights)
+    for world in (1, 3):
+        run(torchrun("tests/score_fashionmnist.py", world, weights, tmp_path / f"s{world}.json", *SMOKE), timeout=180)
+    scores = [metrics(tmp_path / f"s{world}.json") for world in (1, 3)]
+    assert scores[0] == scores[1] and scores[0]["seen"] == 10000, scores
+
+
+def script():
+    """ddp_fashionmnist.py as a module, to read its own definitions."""
+    sys.path.insert(0, str(ROOT))
+    import ddp_fashionmnist
+    return ddp_fashionmnist
 
 
 def test_uncompressed_torchvision_layout_trains(tmp_path):
@@ -117,7 +125,8 @@ def test_data_that_is_a_file_is_one_clear_line(tmp_path):
     bad.write_text("x")
     res = run(python("ddp_fashionmnist.py", "--cpu", "--data", bad), timeout=60, check=False)
     assert res.returncode != 0
-    assert res.stderr.strip().splitlines() == [f"error: --data {bad} is not a folder"]
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: FashionMNIST is not in {bad} ") and "Not a directory" in lines[0]
 
 
 def test_truncated_idx_file_is_one_clear_line(tmp_path):
@@ -125,7 +134,7 @@ def test_truncated_idx_file_is_one_clear_line(tmp_path):
     res = run(python("ddp_fashionmnist.py", "--cpu", "--epochs", "1", "--data", root), timeout=120, check=False)
     assert res.returncode != 0
     lines = res.stderr.strip().splitlines()
-    assert lines and all("t10k-labels-idx1-ubyte is truncated" in line for line in lines), res.stderr
+    assert len(lines) == 1 and "t10k-labels-idx1-ubyte is unreadable or truncated" in lines[0], res.stderr
     assert "Traceback" not in res.stderr
 
 
@@ -135,5 +144,5 @@ def test_folder_missing_some_idx_files_is_one_clear_line(tmp_path):
     res = run(python("ddp_fashionmnist.py", "--cpu", "--data", root), timeout=60, check=False)
     assert res.returncode != 0
     assert res.stderr.strip().splitlines() == [
-        f"error: {root / 'FashionMNIST' / 'raw'} lacks train-labels-idx1-ubyte; add the missing file(s) "
+        f"error: {root} lacks train-labels-idx1-ubyte; add the missing file(s) "
         f"(.gz or not), or delete the folder so a download fills it"]

@@ -4,6 +4,7 @@ import hashlib
 import math
 import os
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -12,11 +13,11 @@ import pytest
 import torch
 import torchvision
 
-from conftest import metrics, python, run, torchrun
+from conftest import ONE_THREAD, RESNET, metrics, python, run, same_weights, torchrun
 
 BASE = ["--arch", "resnet18", "--image-size", 32, "--batch-size", 4, "--max-steps", 2, "--synthetic-size", 32, "--cpu"]
-SMALL = [*BASE, "--num-classes", 10]
-DDP = [*SMALL, "--timeout", 60]
+SMALL = [*BASE, "--num-classes", 10]  # dp_resnet.py: no --timeout
+DDP = RESNET  # SMALL and --timeout 60
 SPAWN = [*DDP, "--nprocs", 2]
 TIMEOUT = 180
 PROGRESS = re.compile(r"^epoch (\d+)/(\d+) \| step \d+/\d+ \| loss \d+\.\d{4} \| (\d+|-) img/s$", re.M)
@@ -42,24 +43,6 @@ def check_checkpoints(folder, epochs, num_classes: int = 10) -> None:
         assert (folder / f"epoch_{e}.pt.sha256").read_text() == f"{sha}  epoch_{e}.pt\n"  # sha256sum -c format
 
 
-def digest(state_dict: dict) -> str:
-    """The scripts' param_sha256: names and raw bytes of every parameter and buffer."""
-    h = hashlib.sha256()
-    for name, t in state_dict.items():
-        h.update(name.encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
-
-
-def same_weights(a, b) -> None:
-    a, b = load(a), load(b)
-    assert a["model_state_dict"].keys() == b["model_state_dict"].keys()
-    for k, t in a["model_state_dict"].items():
-        assert torch.equal(t, b["model_state_dict"][k]), f"{k} differs"
-    for i, s in a["optimizer_state_dict"]["state"].items():
-        assert torch.equal(s["momentum_buffer"], b["optimizer_state_dict"]["state"][i]["momentum_buffer"])
-
-
 def check_ddp_run(folder, out: str, epochs: int) -> dict:
     m = metrics(folder / "metrics.json")
     assert (m["script"], m["world_size"], m["backend"], m["device"]) == ("ddp_resnet.py", 2, "gloo", "cpu")
@@ -67,40 +50,34 @@ def check_ddp_run(folder, out: str, epochs: int) -> dict:
     assert math.isfinite(m["final_loss"]) and m["max_memory_gib"] is None
     assert m["checkpoint"] == str(folder / f"epoch_{epochs}.pt")
     check_checkpoints(folder, range(1, epochs + 1))
-    # After the barrier-guarded reload of epoch_{N-1}.pt every rank holds exactly what rank 0 saved.
-    sha = m["param_sha256_per_rank"]
-    assert len(sha) == 2 and sha[0] == sha[1] == digest(load(folder / f"epoch_{epochs - 1}.pt")["model_state_dict"])
     assert sorted({int(e) for e, _, _ in PROGRESS.findall(out)}) == list(range(1, epochs + 1))
     assert re.search(rf"^done \| epochs {epochs} \| final_loss \d+\.\d{{4}} \| (\d+|-) img/s \| checkpoint \S+epoch_{epochs}\.pt$", out, re.M)
     return m
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    """One 4-epoch spawned DDP run, shared by the tests that compare against it."""
-    folder = tmp_path_factory.mktemp("uninterrupted")
-    result = run(python("ddp_resnet.py", *SPAWN, "--epochs", 4, *ckpt_args(folder)), timeout=TIMEOUT)
-    return folder, result.stdout
-
-
-def test_ddp_spawned_checkpoints_load_and_ranks_agree(uninterrupted):
+def test_ddp_spawned_checkpoints_load(uninterrupted):
     folder, out = uninterrupted
+    assert f"--resume: no checkpoint in {folder}, starting fresh" in out
     check_ddp_run(folder, out, epochs=4)
 
 
-def test_ddp_under_torchrun(tmp_path):
-    result = run(torchrun("ddp_resnet.py", 2, *DDP, "--epochs", 2, "--warmup-steps", 0, "--log-every", 1,
-                          *ckpt_args(tmp_path)), timeout=TIMEOUT)
+def test_ddp_under_torchrun_matches_spawn(uninterrupted, tmp_path):
+    """torchrun and mp.spawn, same flags: the same checkpoints, to the bit."""
+    result = run(torchrun("ddp_resnet.py", 2, *DDP, "--epochs", 2, "--warmup-steps", 1, "--log-every", 1,
+                          *ckpt_args(tmp_path)), timeout=TIMEOUT, env=ONE_THREAD)
     m = check_ddp_run(tmp_path, result.stdout, epochs=2)
-    # 2 one-step windows per epoch on each rank, summed over the ranks
-    assert len(m["window_images_per_sec"]) == 4 and m["images_per_sec"] > 0
+    assert m["images_per_sec"] > 0  # step 2 of each epoch is timed
+    same_weights(uninterrupted[0] / "epoch_2.pt", tmp_path / "epoch_2.pt")
 
 
 def test_ddp_resume_matches_uninterrupted_run(uninterrupted, tmp_path):
+    """The first two epochs' checkpoints, then --resume to 4: exactly the uninterrupted weights."""
     full, _ = uninterrupted
-    run(python("ddp_resnet.py", *SPAWN, "--epochs", 2, *ckpt_args(tmp_path)), timeout=TIMEOUT)
+    for name in ("epoch_1.pt", "epoch_1.pt.sha256", "epoch_2.pt", "epoch_2.pt.sha256"):
+        shutil.copy(full / name, tmp_path)
     before = {p.name: p.read_bytes() for p in tmp_path.glob("epoch_*.pt")}
-    result = run(python("ddp_resnet.py", *SPAWN, "--epochs", 4, "--resume", *ckpt_args(tmp_path)), timeout=TIMEOUT)
+    result = run(python("ddp_resnet.py", *SPAWN, "--epochs", 4, "--resume", *ckpt_args(tmp_path)), timeout=TIMEOUT,
+                 env=ONE_THREAD)
     assert f"--resume: continuing after {tmp_path / 'epoch_2.pt'}" in result.stdout
     assert {int(e) for e, _, _ in PROGRESS.findall(result.stdout)} == {3, 4}  # finished epochs not redone
     assert {p.name: p.read_bytes() for p in tmp_path.glob("epoch_[12].pt")} == before
@@ -110,23 +87,21 @@ def test_ddp_resume_matches_uninterrupted_run(uninterrupted, tmp_path):
     same_weights(full / "epoch_4.pt", tmp_path / "epoch_4.pt")
 
 
-def test_ddp_resume_without_checkpoint_starts_fresh(tmp_path):
-    result = run(python("ddp_resnet.py", *SPAWN, "--epochs", 1, "--resume", *ckpt_args(tmp_path)), timeout=TIMEOUT)
-    assert f"--resume: no checkpoint in {tmp_path}, starting fresh" in result.stdout
-    check_checkpoints(tmp_path, [1])
-
-
 def test_dp_on_cpu_and_resume(tmp_path):
+    """Two epochs, and epoch 1's checkpoint resumed to 2: the same weights (with --amp
+    --channels-last, so those paths run too)."""
     a, b = tmp_path / "a", tmp_path / "b"
-    result = run(python("dp_resnet.py", *SMALL, "--epochs", 2, *ckpt_args(a)), timeout=TIMEOUT)
-    assert "--cpu: training the plain model on CPU" in result.stdout
+    flags = [*SMALL, "--amp", "--channels-last"]
+    result = run(python("dp_resnet.py", *flags, "--epochs", 2, *ckpt_args(a)), timeout=TIMEOUT)
+    assert "--cpu: the plain model on CPU" in result.stdout
     m = metrics(a / "metrics.json")
     assert (m["script"], m["world_size"], m["backend"], m["device"]) == ("dp_resnet.py", 1, "none", "cpu")
     assert (m["epochs_run"], m["steps"], m["resumed_from"]) == (2, 4, None) and math.isfinite(m["final_loss"])
     assert re.search(r"^done \| epochs 2 \| .* \| checkpoint \S+epoch_2\.pt$", result.stdout, re.M)
     check_checkpoints(a, [1, 2])
-    run(python("dp_resnet.py", *SMALL, "--epochs", 1, *ckpt_args(b)), timeout=TIMEOUT)
-    result = run(python("dp_resnet.py", *SMALL, "--epochs", 2, "--resume", *ckpt_args(b)), timeout=TIMEOUT)
+    b.mkdir()
+    shutil.copy(a / "epoch_1.pt", b)  # and no epoch_1.pt.sha256: a copy made by hand loads too
+    result = run(python("dp_resnet.py", *flags, "--epochs", 2, "--resume", *ckpt_args(b)), timeout=TIMEOUT)
     assert metrics(b / "metrics.json")["resumed_from"] == 1
     assert {int(e) for e, _, _ in PROGRESS.findall(result.stdout)} == {2}
     same_weights(a / "epoch_2.pt", b / "epoch_2.pt")
@@ -185,11 +160,10 @@ def write_image_folder(root, classes=3, per_class=6):
             Image.fromarray(pixels).save(root / f"class_{c}" / f"{i}.png")
 
 
-@pytest.mark.parametrize("script", ["dp_resnet.py", "ddp_resnet.py"])
-def test_image_folder_trains(script, tmp_path):
+def test_dp_image_folder_trains(tmp_path):
+    """An ImageFolder of PNGs; ddp_resnet.py's is in test_faults.py (uneven shares)."""
     write_image_folder(tmp_path / "data")
-    flags = [*BASE, "--timeout", 60, "--nprocs", 2] if script == "ddp_resnet.py" else BASE
-    run(python(script, *flags, "--data", tmp_path / "data", "--epochs", 2, *ckpt_args(tmp_path)), timeout=TIMEOUT)
+    run(python("dp_resnet.py", *BASE, "--data", tmp_path / "data", "--epochs", 2, *ckpt_args(tmp_path)), timeout=TIMEOUT)
     m = metrics(tmp_path / "metrics.json")
     assert m["epochs_run"] == 2 and m["steps"] == 4 and math.isfinite(m["final_loss"])
     check_checkpoints(tmp_path, [1, 2], num_classes=3)  # --num-classes follows the ImageFolder
@@ -205,9 +179,7 @@ def check_user_error(result, *words) -> str:
 
 
 @pytest.mark.parametrize("script,flags,words", [
-    ("ddp_resnet.py", ["--batch-size", 0], ["--batch-size"]),
-    ("ddp_resnet.py", ["--epochs", -1], ["--epochs"]),
-    ("dp_resnet.py", ["--lr", 0], ["--lr"]),
+    ("ddp_resnet.py", ["--batch-size", 0], ["--batch-size"]),  # the others: test_fashionmnist.py
     ("ddp_resnet.py", ["--data", "no/such/folder"], ["no/such/folder"]),
     ("dp_resnet.py", ["--data", "EMPTY"], ["class_0"]),
     ("dp_resnet.py", ["--gpus", 99], ["--gpus 99"]),
@@ -222,7 +194,7 @@ def test_bad_flags_give_one_error_line(script, flags, words, tmp_path):
     assert not (tmp_path / "ckpt").exists()
 
 
-@pytest.mark.parametrize("script,kind", [("ddp_resnet.py", "truncated"), ("dp_resnet.py", "garbage"),
+@pytest.mark.parametrize("script,kind", [("dp_resnet.py", "garbage"),  # truncated: under torchrun below
                                          ("ddp_resnet.py", "empty"), ("ddp_resnet.py", "altered"),
                                          ("dp_resnet.py", "altered"), ("ddp_resnet.py", "wrong-model"),
                                          ("ddp_resnet.py", "foreign")])
@@ -258,6 +230,6 @@ def test_unreadable_checkpoint_under_torchrun_ends_the_job(uninterrupted, tmp_pa
                  timeout=TIMEOUT, check=False)
     assert result.returncode != 0
     # Each rank checks the file itself; torchrun may stop the slower rank before it gets to print.
-    errors = re.findall(r"^error: cannot read checkpoint (\S+) ", result.stderr, re.M)
+    errors = re.findall(r"^error: cannot load checkpoint (\S+) ", result.stderr, re.M)
     assert 1 <= len(errors) <= 2 and set(errors) == {str(tmp_path / "epoch_2.pt")}, result.stderr[-3000:]
     assert 'ddp_resnet.py", line' not in result.stderr  # no traceback from the script, only torchrun's summary

@@ -24,7 +24,10 @@ def test_run_all_passes_and_names_every_script(tmp_path):
 
 def test_run_all_keeps_going_and_fails_when_a_run_fails(tmp_path):
     shutil.copy(ROOT / "run_all.sh", tmp_path)
-    shutil.copy(ROOT / "ddp_gather.py", tmp_path)
+    # stand-ins: a gather that writes its metrics at once, a FashionMNIST that fails
+    (tmp_path / "ddp_gather.py").write_text(
+        "import json, sys\nout = sys.argv[sys.argv.index('--metrics-out') + 1]\n"
+        "json.dump({'world_size': 2, 'gathered': [{'dict': {'rank': 0}}, {'dict': {'rank': 1}}]}, open(out, 'w'))\n")
     (tmp_path / "ddp_fashionmnist.py").write_text("import sys\nsys.exit('boom')\n")
     res = run(["bash", str(tmp_path / "run_all.sh")], timeout=300, cwd=tmp_path, check=False,
               env={"RUNS_DIR": str(tmp_path / "runs")})
@@ -32,7 +35,7 @@ def test_run_all_keeps_going_and_fails_when_a_run_fails(tmp_path):
     rows = table_rows(res.stdout)
     assert len(rows) == 3  # gather twice, fashionmnist once; the ResNets are absent here
     assert "FAILED (exit 1)" in next(r for r in rows if "ddp_fashionmnist.py" in r)
-    assert all("| ok: " in r for r in rows if "ddp_gather.py" in r)
+    assert all("| ok: gathered 2 objects in rank order: True" in r for r in rows if "ddp_gather.py" in r)
     assert "1 run(s) FAILED" in res.stdout
 
 
