@@ -66,7 +66,6 @@ def cleanup() -> None:
         dist.destroy_process_group()
 
 
-
 def load_datasets(args: argparse.Namespace) -> tuple[Dataset, Dataset]:
     """Train and test sets in memory, images scaled to [0, 1] as ToTensor() would."""
     if args.synthetic:  # random data of FashionMNIST's shape and sizes
@@ -116,7 +115,7 @@ def train(model: nn.Module, train_loader: DataLoader, loss_function: nn.Module,
         for i, (images, labels) in enumerate(train_loader):
             if i == args.max_steps:
                 break
-            # fixed: no torch.div(images, 255.) here: ToTensor() had already scaled them
+            # fixed: no second torch.div(images, 255.): load_datasets scaled them once
             images, labels = images.to(device), labels.to(device)
             optimizer.zero_grad()
             loss = loss_function(model(images), labels)
@@ -242,7 +241,6 @@ def check_args(args: argparse.Namespace, positive: tuple) -> None:
     gpus = 0 if args.cpu else torch.cuda.device_count()
     if "RANK" not in os.environ and gpus and args.nprocs > gpus:  # torchrun: --nprocs unused
         sys.exit(f"error: --nprocs {args.nprocs}, but {gpus} GPU(s); use at most that, or --cpu")
-
 
 
 def idx_files(root: Path) -> dict:

@@ -9,7 +9,7 @@ map_location). Without --data it trains on synthetic images held in memory.
     python ddp_resnet.py --data /path/to/train  # any ImageFolder root
     python ddp_resnet.py --resume               # go on after model_checkpoints/epoch_N.pt
     python ddp_resnet.py --cpu --arch resnet18 --image-size 64 --epochs 2 --max-steps 5
-    torchrun --standalone --nproc-per-node=2 ddp_resnet.py --cpu --arch resnet18 --max-steps 5
+    torchrun --standalone --nproc-per-node=2 ddp_resnet.py --cpu ...   # the same flags work
 
 Rank 0 prints `epoch 1/2 | step 5/5 | loss 6.9312 | 210 img/s` lines and a final line:
     done | epochs 2 | final_loss 6.9123 | 205 img/s | checkpoint model_checkpoints/epoch_2.pt
@@ -66,7 +66,6 @@ def ddp_setup(local_rank: int, args: argparse.Namespace) -> torch.device:
 def cleanup() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()
-
 
 
 class SyntheticImages(Dataset):
@@ -275,7 +274,6 @@ def check_args(args: argparse.Namespace, positive: tuple) -> None:
     gpus = 0 if args.cpu else torch.cuda.device_count()
     if "RANK" not in os.environ and gpus and args.nprocs > gpus:  # torchrun: --nprocs unused
         sys.exit(f"error: --nprocs {args.nprocs}, but {gpus} GPU(s); use at most that, or --cpu")
-
 
 
 class Progress:

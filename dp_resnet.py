@@ -326,8 +326,6 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-
-
 if __name__ == "__main__":
     args = parse_args()
     run_training(check_args(args), args)
