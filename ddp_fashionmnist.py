@@ -268,9 +268,11 @@ def prepare_data(root: Path) -> None:
             for train in (True, False):
                 datasets.FashionMNIST(str(root), train=train, download=True)
         except Exception as e:  # no network, no write permission, a mirror down...
-            sys.exit(f"error: FashionMNIST is not in {root} and the download failed ({e}); pass "
-                     f"--data with the four IDX files (Debian: apt install dataset-fashion-mnist, "
-                     f"then --data /usr/share/datasets/fashion-mnist), or --synthetic")
+            reason = " ".join(str(e).split())  # torchvision's message spans lines
+            sys.exit(f"error: FashionMNIST is not in {root} and the download failed ({reason}); "
+                     f"pass --data with the four IDX files (Debian: apt install "
+                     f"dataset-fashion-mnist, then --data /usr/share/datasets/fashion-mnist), "
+                     f"or --synthetic")
     files = idx_files(root)
     if len(files) < len(IDX):  # a partial copy: a download over it would hide the problem
         sys.exit(f"error: {root} lacks {', '.join(n for n in IDX if n not in files)}; add the "

@@ -347,6 +347,8 @@ def check_resnet(args: argparse.Namespace, world: int, workers: int) -> None:
         sys.exit(f"error: {images} images make no full batch of {args.batch_size} on each of "
                  f"{world} processes; lower --batch-size")
     args.workers = workers if args.workers is None else args.workers
+    if args.workers < 0:
+        sys.exit(f"error: --workers must be 0 or more, got {args.workers}")
     args.start_epoch, args.resumed_from = 1, None
     epoch, file = newest_checkpoint(args.ckpt_dir) if args.resume else (0, None)
     if args.resume and not file:

@@ -181,6 +181,7 @@ def check_user_error(result, *words) -> str:
 @pytest.mark.parametrize("script,flags,words", [
     ("ddp_resnet.py", ["--batch-size", 0], ["--batch-size"]),  # more of the same check: test_fashionmnist.py
     ("dp_resnet.py", ["--lr", 0], ["--lr"]),  # dp_resnet.py's own copy of it
+    ("ddp_resnet.py", ["--workers", -1], ["--workers"]),
     ("ddp_resnet.py", ["--data", "no/such/folder"], ["no/such/folder"]),
     ("dp_resnet.py", ["--data", "EMPTY"], ["class_0"]),
     ("dp_resnet.py", ["--gpus", 99], ["--gpus 99"]),
