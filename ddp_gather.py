@@ -92,7 +92,7 @@ def launch(fn, args: argparse.Namespace) -> None:
         return fn(int(os.environ["LOCAL_RANK"]), args)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(free_port(os.environ.get("MASTER_PORT", "0")))
-    ranks = mp.spawn(spawned, args=(fn, args), nprocs=args.nprocs, join=False)
+    ranks = mp.spawn(spawned, args=(fn, args, os.getpid()), nprocs=args.nprocs, join=False)
     try:  # once a rank fails the others get 3 s before SIGTERM (mp.spawn's default: 30 s)
         while not ranks.join(grace_period=3):
             pass
@@ -101,7 +101,11 @@ def launch(fn, args: argparse.Namespace) -> None:
                  f"error: rank {e.error_index} was killed by {e.signal_name}; the others stopped")
 
 
-def spawned(local_rank: int, fn, args: argparse.Namespace) -> None:
+def spawned(local_rank: int, fn, args: argparse.Namespace, launcher: int) -> None:
+    # mp.spawn arms its parent-death signal (SIGINT) only now, after the imports: a launcher
+    # killed before that would leave this rank training on alone
+    if os.getppid() != launcher:
+        sys.exit(f"error: rank {local_rank}: its launcher is gone")
     try:
         fn(local_rank, args)
     except Exception:  # print it here: mp.spawn would hand the launcher only the first one

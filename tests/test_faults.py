@@ -114,6 +114,18 @@ def test_killed_rank_ends_the_job_within_seconds(launcher):
         assert "error: rank 1 was killed by SIGKILL" in res.stderr
 
 
+def test_launcher_killed_while_its_ranks_start_leaves_no_rank():
+    """SIGKILL the spawning process the moment its ranks exist: mp.spawn arms their parent-death
+    signal only after they have imported torch, so without a check of their own they would
+    train on alone (here for 10 epochs)."""
+    proc = start(python("ddp_fashionmnist.py", *FM, "--epochs", 10))
+    wait_for_ranks(proc, 2, under_torchrun=False)
+    os.kill(proc.pid, signal.SIGKILL)
+    killed = time.monotonic()
+    finish(proc, timeout=120, check=False)  # returns once every rank has closed its output
+    assert time.monotonic() - killed < 15, "the ranks went on after their launcher was killed"
+
+
 def test_hung_rank_ends_the_job_after_the_timeout():
     """A stopped rank never reaches the next collective: the others give up after --timeout, and
     the launcher kills the stopped one. (Under torchrun the agent adds its own 30 s before its

@@ -197,7 +197,7 @@ def test_bad_flags_give_one_error_line(script, flags, words, tmp_path):
 
 
 @pytest.mark.parametrize("script,kind", [("dp_resnet.py", "garbage"),  # truncated: under torchrun below
-                                         ("ddp_resnet.py", "empty"), ("ddp_resnet.py", "altered"),
+                                         ("ddp_resnet.py", "altered"),
                                          ("dp_resnet.py", "altered"), ("ddp_resnet.py", "wrong-model"),
                                          ("ddp_resnet.py", "foreign")])
 def test_unreadable_checkpoint_on_resume(script, kind, uninterrupted, tmp_path):
