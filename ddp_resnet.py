@@ -8,11 +8,12 @@ map_location). Without --data it trains on synthetic images held in memory.
     python ddp_resnet.py                        # one process per GPU: resnet50, batch 64 each
     python ddp_resnet.py --data /path/to/train  # any ImageFolder root
     python ddp_resnet.py --resume               # go on after model_checkpoints/epoch_N.pt
-    python ddp_resnet.py --cpu --arch resnet18 --image-size 64 --epochs 2 --max-steps 5
+    python ddp_resnet.py --cpu --arch resnet18 --image-size 64 --epochs 2 --max-steps 10
     torchrun --standalone --nproc-per-node=2 ddp_resnet.py --cpu ...   # the same flags work
 
-Rank 0 prints `epoch 1/2 | step 5/5 | loss 6.9312 | 210 img/s` lines and a final line:
-    done | epochs 2 | final_loss 6.9123 | 205 img/s | checkpoint model_checkpoints/epoch_2.pt
+The CPU example above prints, from rank 0, `epoch 2/2 | step 10/10 | loss 6.9155 | 125 img/s`
+lines (images/s of all ranks, after 5 warm-up steps an epoch) and a final line:
+    done | epochs 2 | final_loss 6.9671 | 125 img/s | checkpoint model_checkpoints/epoch_2.pt
 """
 import argparse
 import hashlib

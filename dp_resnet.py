@@ -8,11 +8,12 @@ trains on synthetic in-memory images. For real multi-GPU speed use ddp_resnet.py
     python dp_resnet.py                         # all visible GPUs, resnet50, global batch 64
     python dp_resnet.py --gpus 2 --data /path/to/train
     python dp_resnet.py --resume                # go on after model_checkpoints/epoch_N.pt
-    python dp_resnet.py --cpu --arch resnet18 --image-size 64 --epochs 2 --max-steps 5
+    python dp_resnet.py --cpu --arch resnet18 --image-size 64 --epochs 2 --max-steps 10
     python dp_resnet.py --no-wrap --batch-size 256 --epochs 1  # the baseline: bare model, cuda:0
 
-It prints `epoch 1/2 | step 5/5 | loss 6.9312 | 120 img/s` lines and a final line:
-    done | epochs 2 | final_loss 6.9123 | 118 img/s | checkpoint model_checkpoints/epoch_2.pt
+The CPU example above prints `epoch 2/2 | step 10/10 | loss 7.0836 | 127 img/s` lines (images/s
+after 5 warm-up steps an epoch) and a final line:
+    done | epochs 2 | final_loss 7.0261 | 127 img/s | checkpoint model_checkpoints/epoch_2.pt
 """
 import argparse
 import hashlib
