@@ -16,10 +16,12 @@ lines (images/s of all ranks, after 5 warm-up steps an epoch) and a final line:
     done | epochs 2 | final_loss 6.9671 | 125 img/s | checkpoint model_checkpoints/epoch_2.pt
 """
 import argparse
+import ctypes
 import hashlib
 import io
 import json
 import os
+import signal
 import socket
 import sys
 import time
@@ -232,9 +234,11 @@ def launch(fn, args: argparse.Namespace) -> None:
 
 
 def spawned(local_rank: int, fn, args: argparse.Namespace, launcher: int) -> None:
-    # mp.spawn arms its parent-death signal (SIGINT) only now, after the imports: a launcher
-    # killed before that would leave this rank training on alone
-    if os.getppid() != launcher:
+    # mp.spawn arms SIGINT as this rank's parent-death signal, only after the imports, and a
+    # rank blocked in a collective would not see it: a dead launcher now kills it outright
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # 1: PR_SET_PDEATHSIG
+    if os.getppid() != launcher:  # it died before that
         sys.exit(f"error: rank {local_rank}: its launcher is gone")
     try:
         fn(local_rank, args)
