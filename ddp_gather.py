@@ -19,8 +19,12 @@ import os
 import signal
 import socket
 import sys
+import time
 import traceback
 from datetime import timedelta
+
+if __name__ == "__main__":  # Ctrl-C while the slow imports below run: end, no traceback
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
 import torch.distributed as dist
@@ -55,7 +59,6 @@ def cleanup() -> None:
         dist.destroy_process_group()
 
 
-@record  # under torchrun, its failure summary then shows this rank's exception
 def main(local_rank: int, args: argparse.Namespace) -> None:
     device = ddp_setup(local_rank, args)
     try:
@@ -88,19 +91,39 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
 
 
 # --- plumbing: launch, checks, arguments (the same in every DDP script) ---
+LOST = 3  # the exit status of a rank that stopped only because another one failed
+
+
 def launch(fn, args: argparse.Namespace) -> None:
     """Under torchrun run fn(LOCAL_RANK, args) here; else spawn it in --nprocs processes."""
     if "RANK" in os.environ:  # torchrun set RANK, WORLD_SIZE, LOCAL_RANK and MASTER_*
-        return fn(int(os.environ["LOCAL_RANK"]), args)
+        # record: torchrun's failure summary shows this rank's exception
+        return record(run_rank)(fn, int(os.environ["LOCAL_RANK"]), args)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(free_port(os.environ.get("MASTER_PORT", "0")))
-    ranks = mp.spawn(spawned, args=(fn, args, os.getpid()), nprocs=args.nprocs, join=False)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited: Ctrl-C stays out of their imports
+    ranks, stopped = mp.spawn(spawned, (fn, args, os.getpid()), args.nprocs, join=False), []
+
+    def stop(signum, frame):  # Ctrl-C, kill: each rank ends its step or save cleanly, and exits
+        stopped.append(signum)
+        for p in ranks.processes:
+            p.terminate()
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
     try:  # once a rank fails the others get 3 s before SIGTERM (mp.spawn's default: 30 s)
         while not ranks.join(grace_period=3):
             pass
-    except mp.ProcessExitedException as e:  # exit code > 0: the rank said why, above
-        sys.exit(e.exit_code if e.exit_code > 0 else
-                 f"error: rank {e.error_index} was killed by {e.signal_name}; the others stopped")
+    except mp.ProcessExitedException as e:
+        if stopped:
+            print("interrupted", file=sys.stderr)
+            sys.exit(130)
+        codes, rank = [p.exitcode for p in ranks.processes], e.error_index
+        if codes[rank] == LOST:  # it only lost a peer: the first that failed alone is the cause
+            rank = next((r for r, code in enumerate(codes) if code not in (0, LOST)), rank)
+        if codes[rank] > 0:  # the rank said why, above
+            sys.exit(codes[rank])
+        sys.exit(f"error: rank {rank} was killed by {signal.Signals(-codes[rank]).name}; "
+                 f"the others stopped")
 
 
 def spawned(local_rank: int, fn, args: argparse.Namespace, launcher: int) -> None:
@@ -111,9 +134,32 @@ def spawned(local_rank: int, fn, args: argparse.Namespace, launcher: int) -> Non
     if os.getppid() != launcher:  # it died before that
         sys.exit(f"error: rank {local_rank}: its launcher is gone")
     try:
-        fn(local_rank, args)
+        run_rank(fn, local_rank, args)
     except Exception:  # print it here: mp.spawn would hand the launcher only the first one
         sys.exit(f"{traceback.format_exc()}error: rank {local_rank} failed (above)")
+
+
+def run_rank(fn, local_rank: int, args: argparse.Namespace) -> None:
+    """fn in this rank. Ctrl-C or SIGTERM end it cleanly (exit 130: a save in progress removes
+    its temporary files); a peer that failed ends it quietly (LOST): that one says why."""
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        try:
+            fn(local_rank, args)
+        except RuntimeError as e:  # gloo's and NCCL's words for a peer that is gone
+            if not any(w in str(e) for w in ("by peer", "Broken pipe", "remote process")):
+                raise
+            time.sleep(1)  # so the rank that failed ends first: launchers report the first one
+            sys.exit(LOST)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+def interrupt(signum, frame) -> None:
+    for s in (signal.SIGINT, signal.SIGTERM):  # a second one must not cut the clean-up short
+        signal.signal(s, lambda *_: None)
+    raise KeyboardInterrupt
 
 
 def free_port(port: str) -> int:

@@ -17,6 +17,8 @@ lines (images/s of all ranks, after 5 warm-up steps an epoch) and a final line:
 """
 import argparse
 import ctypes
+import errno
+import fcntl
 import hashlib
 import io
 import json
@@ -29,6 +31,9 @@ import traceback
 from datetime import timedelta
 from itertools import islice
 from pathlib import Path
+
+if __name__ == "__main__":  # Ctrl-C while the slow imports below run: end, no traceback
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
 import torch.distributed as dist
@@ -113,31 +118,38 @@ def build_model(args: argparse.Namespace) -> torch.nn.Module:
 
 
 def save_model(epoch: int, model, optimizer, args: argparse.Namespace) -> Path:
-    """Write epoch_N.pt, then its sha256 (sha256sum's format): each to a temporary file first,
-    so a crash never leaves half a file under the real name."""
+    """Write epoch_N.pt and its sha256 (sha256sum's format) to temporary files, then rename
+    both: a save that fails or is interrupted leaves the folder as it was."""
     file = Path(args.ckpt_dir) / f"epoch_{epoch}.pt"  # fixed: no file.touch(), torch.save makes it
-    file.parent.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     torch.save({"epoch": epoch, "model_state_dict": model.module.state_dict(),  # no "module."
                 "optimizer_state_dict": optimizer.state_dict(), "arch": args.arch,
                 "num_classes": args.num_classes, "image_size": args.image_size}, buffer)
-    sha256 = file.with_name(file.name + ".sha256")
-    sha256.unlink(missing_ok=True)  # never an old checksum next to a new checkpoint
-    write_atomic(file, buffer.getvalue())
-    write_atomic(sha256, f"{hashlib.sha256(buffer.getvalue()).hexdigest()}  {file.name}\n".encode())
+    sha256 = f"{hashlib.sha256(buffer.getvalue()).hexdigest()}  {file.name}\n".encode()
+    try:
+        write_atomic({file: buffer.getvalue(), file.with_name(file.name + ".sha256"): sha256})
+    except OSError as e:  # a full disk, a read-only or vanished folder, an I/O error
+        fix = "free some space" if e.errno == errno.ENOSPC else "fix that"
+        sys.exit(f"error: cannot save {file} ({e.strerror or e}); earlier checkpoints are intact, "
+                 f"{fix} and rerun with --resume")
     return file
 
 
-def write_atomic(file: Path, data: bytes) -> None:
-    """To a temporary file, then a rename: never half a file under the real name."""
-    tmp = file.with_name(f"{file.name}.tmp{os.getpid()}")
+def write_atomic(files: dict) -> None:
+    """Each file to file.tmp first, then all renamed in order (the checkpoint before its sha256):
+    never half a file under a real name, and no .tmp left when a write fails or is interrupted."""
+    tmps = []
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            os.fsync(f.fileno())  # on disk before the rename publishes it
-        os.replace(tmp, file)
+        for file, data in files.items():
+            tmps.append(file.with_name(file.name + ".tmp"))
+            with open(tmps[-1], "wb") as f:
+                f.write(data)
+                os.fsync(f.fileno())  # on disk before the rename publishes it
+        for file, tmp in zip(files, tmps):
+            os.replace(tmp, file)
     finally:
-        tmp.unlink(missing_ok=True)  # a failed write leaves nothing behind
+        for tmp in tmps:
+            tmp.unlink(missing_ok=True)
 
 
 def load_model(device: torch.device, epoch: int, model, optimizer, args: argparse.Namespace):
@@ -176,10 +188,10 @@ def newest_checkpoint(folder: str) -> tuple:
     return max(found, default=(0, None))
 
 
-@record  # under torchrun, its failure summary then shows this rank's exception
 def run_training_process_on_given_gpu(local_rank: int, args: argparse.Namespace) -> None:
     device = ddp_setup(local_rank, args)
     try:
+        hold_ckpt_dir(args)  # one run per checkpoint folder: a second one stops here
         fmt = torch.channels_last if args.channels_last else torch.contiguous_format
         torch.manual_seed(args.seed)  # the same initial weights on every rank
         model = build_model(args).to(device, memory_format=fmt)
@@ -218,19 +230,39 @@ def run_training_process_on_given_gpu(local_rank: int, args: argparse.Namespace)
 
 
 # --- plumbing: launch, checks, arguments (the same in every DDP script) ---
+LOST = 3  # the exit status of a rank that stopped only because another one failed
+
+
 def launch(fn, args: argparse.Namespace) -> None:
     """Under torchrun run fn(LOCAL_RANK, args) here; else spawn it in --nprocs processes."""
     if "RANK" in os.environ:  # torchrun set RANK, WORLD_SIZE, LOCAL_RANK and MASTER_*
-        return fn(int(os.environ["LOCAL_RANK"]), args)
+        # record: torchrun's failure summary shows this rank's exception
+        return record(run_rank)(fn, int(os.environ["LOCAL_RANK"]), args)
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ["MASTER_PORT"] = str(free_port(os.environ.get("MASTER_PORT", "0")))
-    ranks = mp.spawn(spawned, args=(fn, args, os.getpid()), nprocs=args.nprocs, join=False)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited: Ctrl-C stays out of their imports
+    ranks, stopped = mp.spawn(spawned, (fn, args, os.getpid()), args.nprocs, join=False), []
+
+    def stop(signum, frame):  # Ctrl-C, kill: each rank ends its step or save cleanly, and exits
+        stopped.append(signum)
+        for p in ranks.processes:
+            p.terminate()
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
     try:  # once a rank fails the others get 3 s before SIGTERM (mp.spawn's default: 30 s)
         while not ranks.join(grace_period=3):
             pass
-    except mp.ProcessExitedException as e:  # exit code > 0: the rank said why, above
-        sys.exit(e.exit_code if e.exit_code > 0 else
-                 f"error: rank {e.error_index} was killed by {e.signal_name}; the others stopped")
+    except mp.ProcessExitedException as e:
+        if stopped:
+            print("interrupted", file=sys.stderr)
+            sys.exit(130)
+        codes, rank = [p.exitcode for p in ranks.processes], e.error_index
+        if codes[rank] == LOST:  # it only lost a peer: the first that failed alone is the cause
+            rank = next((r for r, code in enumerate(codes) if code not in (0, LOST)), rank)
+        if codes[rank] > 0:  # the rank said why, above
+            sys.exit(codes[rank])
+        sys.exit(f"error: rank {rank} was killed by {signal.Signals(-codes[rank]).name}; "
+                 f"the others stopped")
 
 
 def spawned(local_rank: int, fn, args: argparse.Namespace, launcher: int) -> None:
@@ -241,9 +273,32 @@ def spawned(local_rank: int, fn, args: argparse.Namespace, launcher: int) -> Non
     if os.getppid() != launcher:  # it died before that
         sys.exit(f"error: rank {local_rank}: its launcher is gone")
     try:
-        fn(local_rank, args)
+        run_rank(fn, local_rank, args)
     except Exception:  # print it here: mp.spawn would hand the launcher only the first one
         sys.exit(f"{traceback.format_exc()}error: rank {local_rank} failed (above)")
+
+
+def run_rank(fn, local_rank: int, args: argparse.Namespace) -> None:
+    """fn in this rank. Ctrl-C or SIGTERM end it cleanly (exit 130: a save in progress removes
+    its temporary files); a peer that failed ends it quietly (LOST): that one says why."""
+    signal.signal(signal.SIGINT, interrupt)
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        try:
+            fn(local_rank, args)
+        except RuntimeError as e:  # gloo's and NCCL's words for a peer that is gone
+            if not any(w in str(e) for w in ("by peer", "Broken pipe", "remote process")):
+                raise
+            time.sleep(1)  # so the rank that failed ends first: launchers report the first one
+            sys.exit(LOST)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+def interrupt(signum, frame) -> None:
+    for s in (signal.SIGINT, signal.SIGTERM):  # a second one must not cut the clean-up short
+        signal.signal(s, lambda *_: None)
+    raise KeyboardInterrupt
 
 
 def free_port(port: str) -> int:
@@ -334,6 +389,38 @@ def report(args, device, progress: Progress, final_loss, checkpoint) -> None:
             "epochs_run": epochs, "steps": progress.run, "final_loss": final_loss,
             "images_per_sec": rate or None, "checkpoint": checkpoint and str(checkpoint),
             "max_memory_gib": memory, "resumed_from": args.resumed_from}, indent=1))
+
+
+def hold_ckpt_dir(args: argparse.Namespace) -> None:
+    """Global rank 0 locks --ckpt-dir for as long as it runs; if another run holds it, every
+    rank stops (rank 0 says why)."""
+    error = [lock(args.ckpt_dir) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(error, src=0)
+    if error[0]:
+        sys.exit(error[0] if dist.get_rank() == 0 else LOST)
+
+
+def lock(folder: str):
+    """Lock folder/.lock for the life of this process (the kernel lets go on any exit, SIGKILL
+    too) and remove what a killed save left there; or return why it cannot."""
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        fd = os.open(Path(folder) / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # a POSIX lock: the loader workers this process forks do not inherit it
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except (BlockingIOError, PermissionError):  # another process holds it
+            holder = os.read(fd, 100).decode(errors="replace").strip() or "pid unknown"
+            return (f"error: --ckpt-dir {folder} is in use by another run ({holder}); wait for "
+                    f"it to end, or use another folder")
+        except OSError as e:  # a file system without locks (NFS without lockd, say)
+            print(f"warning: cannot lock --ckpt-dir {folder} ({e.strerror}); make sure no other "
+                  f"run uses it", file=sys.stderr)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"host {socket.gethostname()}, pid {os.getpid()}\n".encode())
+        for left in Path(folder).glob("epoch_*.tmp*"):  # a killed save's: nobody else writes here
+            left.unlink()
+    except OSError as e:
+        return f"error: cannot use --ckpt-dir {folder} ({e.strerror or e})"
 
 
 def check_resnet(args: argparse.Namespace, world: int, workers: int) -> None:

@@ -16,14 +16,21 @@ after 5 warm-up steps an epoch) and a final line:
     done | epochs 2 | final_loss 7.0261 | 127 img/s | checkpoint model_checkpoints/epoch_2.pt
 """
 import argparse
+import errno
+import fcntl
 import hashlib
 import io
 import json
 import os
+import signal
+import socket
 import sys
 import time
 from itertools import islice
 from pathlib import Path
+
+if __name__ == "__main__":  # Ctrl-C while the slow imports below run: end, no traceback
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
 import torchvision
@@ -97,31 +104,38 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def save_model(epoch: int, model, optimizer, args: argparse.Namespace) -> Path:
-    """Write epoch_N.pt, then its sha256 (sha256sum's format): each to a temporary file first,
-    so a crash never leaves half a file under the real name."""
+    """Write epoch_N.pt and its sha256 (sha256sum's format) to temporary files, then rename
+    both: a save that fails or is interrupted leaves the folder as it was."""
     file = Path(args.ckpt_dir) / f"epoch_{epoch}.pt"  # fixed: no file.touch(), torch.save makes it
-    file.parent.mkdir(parents=True, exist_ok=True)
     buffer = io.BytesIO()
     torch.save({"epoch": epoch, "model_state_dict": unwrap(model).state_dict(),  # no "module."
                 "optimizer_state_dict": optimizer.state_dict(), "arch": args.arch,
                 "num_classes": args.num_classes, "image_size": args.image_size}, buffer)
-    sha256 = file.with_name(file.name + ".sha256")
-    sha256.unlink(missing_ok=True)  # never an old checksum next to a new checkpoint
-    write_atomic(file, buffer.getvalue())
-    write_atomic(sha256, f"{hashlib.sha256(buffer.getvalue()).hexdigest()}  {file.name}\n".encode())
+    sha256 = f"{hashlib.sha256(buffer.getvalue()).hexdigest()}  {file.name}\n".encode()
+    try:
+        write_atomic({file: buffer.getvalue(), file.with_name(file.name + ".sha256"): sha256})
+    except OSError as e:  # a full disk, a read-only or vanished folder, an I/O error
+        fix = "free some space" if e.errno == errno.ENOSPC else "fix that"
+        sys.exit(f"error: cannot save {file} ({e.strerror or e}); earlier checkpoints are intact, "
+                 f"{fix} and rerun with --resume")
     return file
 
 
-def write_atomic(file: Path, data: bytes) -> None:
-    """To a temporary file, then a rename: never half a file under the real name."""
-    tmp = file.with_name(f"{file.name}.tmp{os.getpid()}")
+def write_atomic(files: dict) -> None:
+    """Each file to file.tmp first, then all renamed in order (the checkpoint before its sha256):
+    never half a file under a real name, and no .tmp left when a write fails or is interrupted."""
+    tmps = []
     try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            os.fsync(f.fileno())  # on disk before the rename publishes it
-        os.replace(tmp, file)
+        for file, data in files.items():
+            tmps.append(file.with_name(file.name + ".tmp"))
+            with open(tmps[-1], "wb") as f:
+                f.write(data)
+                os.fsync(f.fileno())  # on disk before the rename publishes it
+        for file, tmp in zip(files, tmps):
+            os.replace(tmp, file)
     finally:
-        tmp.unlink(missing_ok=True)  # a failed write leaves nothing behind
+        for tmp in tmps:
+            tmp.unlink(missing_ok=True)
 
 
 def load_model(device: torch.device, epoch: int, model, optimizer, args: argparse.Namespace):
@@ -155,6 +169,7 @@ def newest_checkpoint(folder: str) -> tuple:
 
 
 def run_training(gpus: int, args: argparse.Namespace) -> None:
+    hold_ckpt_dir(args)  # one run per checkpoint folder: a second one stops here
     device = torch.device("cuda", 0) if gpus else torch.device("cpu")  # DataParallel: from GPU 0
     fmt = torch.channels_last if args.channels_last else torch.contiguous_format
     torch.manual_seed(args.seed)
@@ -268,6 +283,36 @@ def check_args(args: argparse.Namespace) -> int:
     return gpus
 
 
+def hold_ckpt_dir(args: argparse.Namespace) -> None:
+    """Lock --ckpt-dir for as long as this run lasts, or stop: another run holds it."""
+    error = lock(args.ckpt_dir)
+    if error:
+        sys.exit(error)
+
+
+def lock(folder: str):
+    """Lock folder/.lock for the life of this process (the kernel lets go on any exit, SIGKILL
+    too) and remove what a killed save left there; or return why it cannot."""
+    try:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        fd = os.open(Path(folder) / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:  # a POSIX lock: the loader workers this process forks do not inherit it
+            fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except (BlockingIOError, PermissionError):  # another process holds it
+            holder = os.read(fd, 100).decode(errors="replace").strip() or "pid unknown"
+            return (f"error: --ckpt-dir {folder} is in use by another run ({holder}); wait for "
+                    f"it to end, or use another folder")
+        except OSError as e:  # a file system without locks (NFS without lockd, say)
+            print(f"warning: cannot lock --ckpt-dir {folder} ({e.strerror}); make sure no other "
+                  f"run uses it", file=sys.stderr)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"host {socket.gethostname()}, pid {os.getpid()}\n".encode())
+        for left in Path(folder).glob("epoch_*.tmp*"):  # a killed save's: nobody else writes here
+            left.unlink()
+    except OSError as e:
+        return f"error: cannot use --ckpt-dir {folder} ({e.strerror or e})"
+
+
 def check_resnet(args: argparse.Namespace, world: int, workers: int) -> None:
     """Refuse a bad --arch, data or checkpoint before training; fill in what they decide."""
     if args.arch not in torchvision.models.list_models(module=torchvision.models):
@@ -329,6 +374,19 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+def interrupt(signum, frame) -> None:
+    for s in (signal.SIGINT, signal.SIGTERM):  # a second one must not cut the clean-up short
+        signal.signal(s, lambda *_: None)
+    raise KeyboardInterrupt
+
+
 if __name__ == "__main__":
     args = parse_args()
-    run_training(check_args(args), args)
+    gpus = check_args(args)
+    signal.signal(signal.SIGINT, interrupt)  # Ctrl-C or kill: end the step or save cleanly
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        run_training(gpus, args)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        sys.exit(130)

@@ -16,14 +16,15 @@ DEBIAN_FMNIST = Path("/usr/share/datasets/fashion-mnist")
 MARK = "DDP_COLLECTION_TEST_RUN"  # every process of a run inherits it: how leftovers are found
 
 
-def start(args: list, cwd=None, env=None) -> subprocess.Popen:
+def start(args: list, cwd=None, env=None, preexec_fn=None) -> subprocess.Popen:
     """Start a command in its own process group, tagged so its descendants can be found."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {}), MARK: uuid.uuid4().hex}
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         if env is None or var not in env:
             full_env.pop(var, None)  # a test never inherits a launcher's rendezvous by accident
     proc = subprocess.Popen(args, cwd=cwd or ROOT, env=full_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=preexec_fn)
     proc.mark = full_env[MARK]
     return proc
 
@@ -73,8 +74,8 @@ def finish(proc: subprocess.Popen, timeout: float, check: bool = True, linger: f
     return result
 
 
-def run(args: list, timeout: float, cwd=None, env=None, check=True) -> subprocess.CompletedProcess:
-    return finish(start(args, cwd, env), timeout, check)
+def run(args: list, timeout: float, cwd=None, env=None, check=True, preexec_fn=None):
+    return finish(start(args, cwd, env, preexec_fn), timeout, check)
 
 
 def python(script: str, *flags) -> list:

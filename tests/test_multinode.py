@@ -102,7 +102,7 @@ def test_two_network_namespaces_as_two_hosts(two_hosts, uninterrupted, tmp_path)
 
 
 def test_elastic_restart_resumes_and_matches_an_uninterrupted_run(uninterrupted, tmp_path):
-    """torchrun --max-restarts=1 with one worker SIGKILLed after epoch 2: the new workers resume
+    """torchrun --max-restarts=1 with rank 0 SIGKILLed after epoch 2: the new workers resume
     from the newest checkpoint and end with the weights of a run that was never interrupted."""
     ckpt = tmp_path / "elastic"
     agent = start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
@@ -115,7 +115,8 @@ def test_elastic_restart_resumes_and_matches_an_uninterrupted_run(uninterrupted,
     with open(f"/proc/{agent.pid}/task/{agent.pid}/children") as f:
         workers = [int(c) for c in f.read().split()]
     assert len(workers) == 2, workers
-    os.kill(workers[1], signal.SIGKILL)
+    rank0 = next(w for w in workers if b"\0RANK=0\0" in b"\0" + open(f"/proc/{w}/environ", "rb").read())
+    os.kill(rank0, signal.SIGKILL)  # the one holding the folder's lock: the new rank 0 takes it
     res = finish(agent, timeout=300)
     assert "--resume: no checkpoint" in res.stdout and "--resume: continuing after" in res.stdout
     same_weights(uninterrupted[0] / "epoch_4.pt", ckpt / "epoch_4.pt")

@@ -109,7 +109,8 @@ def test_dp_on_cpu_and_resume(tmp_path):
 
 def test_kill_during_save_leaves_previous_checkpoint(tmp_path):
     """SIGKILL the whole job the moment rank 0 starts writing a checkpoint after epoch_1.pt: every
-    epoch_N.pt left must be whole, and --resume must continue from the newest of them."""
+    epoch_N.pt left must be whole, and --resume must continue from the newest of them (the lock
+    died with the job) and remove the temporary file."""
     for attempt in range(3):
         folder = tmp_path / f"try{attempt}"
         folder.mkdir()
@@ -148,6 +149,7 @@ def test_kill_during_save_leaves_previous_checkpoint(tmp_path):
     result = run(python("ddp_resnet.py", *SPAWN, "--epochs", newest + 1, "--resume", *ckpt_args(folder)), timeout=TIMEOUT)
     assert metrics(folder / "metrics.json")["resumed_from"] == newest
     assert f"continuing after {folder / f'epoch_{newest}.pt'}" in result.stdout
+    assert not [p.name for p in folder.iterdir() if ".tmp" in p.name]  # the killed save's: removed
 
 
 def write_image_folder(root, classes=3, per_class=6):
