@@ -26,8 +26,8 @@ import traceback
 from datetime import timedelta
 from pathlib import Path
 
-if __name__ == "__main__":  # Ctrl-C while the slow imports below run: end, no traceback
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+if __name__ == "__main__":  # Ctrl-C while the slow imports below run: exit 130, no traceback
+    signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(130))
 
 import torch
 import torch.distributed as dist

@@ -29,8 +29,8 @@ import time
 from itertools import islice
 from pathlib import Path
 
-if __name__ == "__main__":  # Ctrl-C while the slow imports below run: end, no traceback
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+if __name__ == "__main__":  # Ctrl-C while the slow imports below run: exit 130, no traceback
+    signal.signal(signal.SIGINT, lambda signum, frame: sys.exit(130))
 
 import torch
 import torchvision
@@ -290,9 +290,9 @@ def hold_ckpt_dir(args: argparse.Namespace) -> None:
         sys.exit(error)
 
 
-def lock(folder: str):
+def lock(folder: str, hold: bool = True):
     """Lock folder/.lock for the life of this process (the kernel lets go on any exit, SIGKILL
-    too) and remove what a killed save left there; or return why it cannot."""
+    too; hold=False: at once) and remove what a killed save left there; or return why not."""
     try:
         Path(folder).mkdir(parents=True, exist_ok=True)
         fd = os.open(Path(folder) / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
@@ -309,6 +309,8 @@ def lock(folder: str):
         os.write(fd, f"host {socket.gethostname()}, pid {os.getpid()}\n".encode())
         for left in Path(folder).glob("epoch_*.tmp*"):  # a killed save's: nobody else writes here
             left.unlink()
+        if not hold:
+            os.close(fd)
     except OSError as e:
         return f"error: cannot use --ckpt-dir {folder} ({e.strerror or e})"
 
@@ -335,6 +337,9 @@ def check_resnet(args: argparse.Namespace, world: int, workers: int) -> None:
     args.workers = workers if args.workers is None else args.workers
     if args.workers < 0:
         sys.exit(f"error: --workers must be 0 or more, got {args.workers}")
+    error = None if "RANK" in os.environ else lock(args.ckpt_dir, hold=False)
+    if error:  # another run holds the folder: stop before any rank starts
+        sys.exit(error)
     args.start_epoch, args.resumed_from = 1, None
     epoch, file = newest_checkpoint(args.ckpt_dir) if args.resume else (0, None)
     if args.resume and not file:
