@@ -7,6 +7,7 @@ map_location). Without --data it trains on synthetic images held in memory.
 
     python ddp_resnet.py                        # one process per GPU: resnet50, batch 64 each
     python ddp_resnet.py --data /path/to/train  # any ImageFolder root
+    python ddp_resnet.py --data train --val-data val  # top-1 on val after every epoch
     python ddp_resnet.py --resume               # go on after model_checkpoints/epoch_N.pt
     python ddp_resnet.py --cpu --arch resnet18 --image-size 64 --epochs 2 --max-steps 10
     torchrun --standalone --nproc-per-node=2 ddp_resnet.py --cpu ...   # the same flags work
@@ -41,7 +42,7 @@ import torch.multiprocessing as mp
 import torchvision
 import torchvision.transforms as T
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
 from torchvision.datasets.folder import IMG_EXTENSIONS, find_classes, make_dataset
 
@@ -92,16 +93,20 @@ class SyntheticImages(Dataset):
         return self.images[i % len(self.images)], self.labels[i]
 
 
+def image_folder(root: str, args: argparse.Namespace) -> Dataset:
+    transforms = T.Compose([
+        T.Resize(round(args.image_size * 256 / 224)),  # the tutorial's 256 -> 224, any size
+        T.CenterCrop(args.image_size),
+        T.ToTensor(),
+        T.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225]),
+    ])
+    # fixed: the tutorial's ImageFolder(root=, ...) is a syntax error
+    return torchvision.datasets.ImageFolder(root, transform=transforms)
+
+
 def load_data(args: argparse.Namespace, pin_memory: bool) -> DataLoader:
     if args.data:
-        transforms = T.Compose([
-            T.Resize(round(args.image_size * 256 / 224)),  # the tutorial's 256 -> 224, any size
-            T.CenterCrop(args.image_size),
-            T.ToTensor(),
-            T.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225]),
-        ])
-        # fixed: the tutorial's ImageFolder(root=, ...) is a syntax error
-        dataset = torchvision.datasets.ImageFolder(args.data, transform=transforms)
+        dataset = image_folder(args.data, args)
     else:
         dataset = SyntheticImages(args.synthetic_size, args.image_size, args.num_classes, args.seed)
     sampler = DistributedSampler(dataset, seed=args.seed)  # each rank its own share, shuffled
@@ -109,6 +114,15 @@ def load_data(args: argparse.Namespace, pin_memory: bool) -> DataLoader:
     # per process. drop_last: a last batch of one image would break BatchNorm.
     return DataLoader(dataset, batch_size=args.batch_size, shuffle=False, sampler=sampler,
                       num_workers=args.workers, pin_memory=pin_memory, drop_last=True)
+
+
+def load_val_data(args: argparse.Namespace, pin_memory: bool) -> DataLoader:
+    """This rank's share of --val-data: every world_size-th image, so each image is scored
+    exactly once (a DistributedSampler would pad the shares with repeats)."""
+    dataset = image_folder(args.val_data, args)
+    share = Subset(dataset, range(dist.get_rank(), len(dataset), dist.get_world_size()))
+    return DataLoader(share, batch_size=args.batch_size, num_workers=args.workers,
+                      pin_memory=pin_memory)
 
 
 def build_model(args: argparse.Namespace) -> torch.nn.Module:
@@ -188,6 +202,25 @@ def newest_checkpoint(folder: str) -> tuple:
     return max(found, default=(0, None))
 
 
+def evaluate(model, val_loader: DataLoader, device: torch.device, args) -> list:
+    """Top-1 on --val-data: each rank scores its share, one all_reduce sums [correct, seen]."""
+    for buffer in model.module.buffers():  # BatchNorm's running statistics: rank 0's, as saved
+        dist.broadcast(buffer, src=0)
+    fmt = torch.channels_last if args.channels_last else torch.contiguous_format
+    counts = torch.zeros(2, dtype=torch.int64, device=device)
+    model.eval()
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.amp):
+        for images, labels in val_loader:
+            images = images.to(device, non_blocking=True, memory_format=fmt)
+            labels = labels.to(device, non_blocking=True)
+            predicted = model.module(images).argmax(dim=1)  # the bare model: no DDP collectives
+            counts[0] += (predicted == labels).sum()
+            counts[1] += len(labels)
+    model.train()
+    dist.all_reduce(counts)  # the whole validation set, not this rank's share alone
+    return counts.tolist()
+
+
 def run_training_process_on_given_gpu(local_rank: int, args: argparse.Namespace) -> None:
     device = ddp_setup(local_rank, args)
     try:
@@ -200,9 +233,10 @@ def run_training_process_on_given_gpu(local_rank: int, args: argparse.Namespace)
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
         criterion = torch.nn.CrossEntropyLoss()
         dataloader = load_data(args, pin_memory=device.type == "cuda")
+        val_loader = load_val_data(args, device.type == "cuda") if args.val_data else None
         torch.backends.cudnn.benchmark = True  # one input size: find the fastest kernels once
         steps = min(len(dataloader), args.max_steps or len(dataloader))
-        progress, final_loss, checkpoint = Progress(args, device, steps), None, None
+        progress, final_loss, checkpoint, val = Progress(args, device, steps), None, None, None
         model.train()
         for epoch in range(args.start_epoch, args.epochs + 1):  # fixed: range(1, 30) ran 29
             if epoch > 1:
@@ -224,7 +258,14 @@ def run_training_process_on_given_gpu(local_rank: int, args: argparse.Namespace)
             final_loss = epoch_loss.item() / (steps * dist.get_world_size())
             if dist.get_rank() == 0:  # the global rank: LOCAL_RANK 0 is one writer per node
                 checkpoint = save_model(epoch, model, optimizer, args)
-        report(args, device, progress, final_loss, checkpoint)
+            if val_loader:
+                val = evaluate(model, val_loader, device, args)
+            progress.summary(epoch, final_loss, val)
+        if val_loader and args.start_epoch > args.epochs:  # a finished run resumed: score it
+            load_model(device, args.resumed_from, model, optimizer, args)
+            val = evaluate(model, val_loader, device, args)
+            checkpoint = Path(args.ckpt_dir) / f"epoch_{args.resumed_from}.pt"
+        report(args, device, progress, final_loss, checkpoint, val)
     finally:
         cleanup()
 
@@ -348,6 +389,7 @@ class Progress:
     def __init__(self, args: argparse.Namespace, device: torch.device, steps: int):
         self.args, self.device, self.steps = args, device, steps
         self.run, self.images, self.seconds = 0, 0, 0.0
+        self.epoch_began = time.perf_counter()
 
     def step(self, epoch: int, step: int, loss: torch.Tensor, batch: int) -> None:
         self.run += 1
@@ -359,9 +401,19 @@ class Progress:
             if step > self.args.warmup_steps:
                 now = self.clock()
                 self.seconds, self.start = self.seconds + now - self.start, now
-            rate = self.rate() * int(os.environ.get("WORLD_SIZE", "1"))  # rank 0's, times N
             print0(f"epoch {epoch}/{self.args.epochs} | step {step}/{self.steps} | "
-                   f"loss {loss.item():.4f} | {f'{rate:.0f}' if rate else '-'} img/s")
+                   f"loss {loss.item():.4f} | {self.per_sec()} img/s")
+
+    def summary(self, epoch: int, loss: float, val) -> None:
+        """The epoch's line: the mean loss of every rank's steps, and top-1 on --val-data."""
+        now = time.perf_counter()
+        seconds, self.epoch_began = now - self.epoch_began, now
+        print0(f"epoch {epoch}/{self.args.epochs} | loss {loss:.4f}{val_text(val)} | "
+               f"{self.per_sec()} img/s | {seconds:.1f} s")
+
+    def per_sec(self) -> str:
+        rate = self.rate() * int(os.environ.get("WORLD_SIZE", "1"))  # rank 0's, times N
+        return f"{rate:.0f}" if rate else "-"
 
     def rate(self) -> float:
         """This process's images/s so far."""
@@ -373,14 +425,18 @@ class Progress:
         return time.perf_counter()
 
 
-def report(args, device, progress: Progress, final_loss, checkpoint) -> None:
+def val_text(val) -> str:
+    return f" | val_accuracy {val[0] / val[1]:.4f} ({val[1]} images)" if val else ""
+
+
+def report(args, device, progress: Progress, final_loss, checkpoint, val) -> None:
     """The final line and the metrics JSON, with images/s of every rank together."""
     rates = torch.tensor(progress.rate(), dtype=torch.float64, device=device)
     dist.all_reduce(rates)  # each rank timed its own share
     epochs, rate = len(range(args.start_epoch, args.epochs + 1)), rates.item()
     loss = "-" if final_loss is None else f"{final_loss:.4f}"  # None: nothing left to train
-    print0(f"done | epochs {epochs} | final_loss {loss} | {f'{rate:.0f}' if rate else '-'} img/s"
-           f" | checkpoint {checkpoint or '-'}")
+    print0(f"done | epochs {epochs} | final_loss {loss}{val_text(val)} | "
+           f"{f'{rate:.0f}' if rate else '-'} img/s | checkpoint {checkpoint or '-'}")
     if dist.get_rank() == 0 and args.metrics_out:
         memory = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
         Path(args.metrics_out).write_text(json.dumps({
@@ -388,7 +444,9 @@ def report(args, device, progress: Progress, final_loss, checkpoint) -> None:
             "backend": dist.get_backend(), "device": device.type, "arch": args.arch,
             "epochs_run": epochs, "steps": progress.run, "final_loss": final_loss,
             "images_per_sec": rate or None, "checkpoint": checkpoint and str(checkpoint),
-            "max_memory_gib": memory, "resumed_from": args.resumed_from}, indent=1))
+            "max_memory_gib": memory, "resumed_from": args.resumed_from,
+            "val_accuracy": val and val[0] / val[1], "val_correct": val and val[0],
+            "val_samples": val and val[1]}, indent=1))
 
 
 def hold_ckpt_dir(args: argparse.Namespace) -> None:
@@ -425,6 +483,17 @@ def lock(folder: str, hold: bool = True):
         return f"error: cannot use --ckpt-dir {folder} ({e.strerror or e})"
 
 
+def scan_image_folder(flag: str, root: str) -> tuple:
+    """The class names and image count ImageFolder will find, or one error line."""
+    try:  # without a traceback in every rank
+        names, index = find_classes(root)
+        return names, len(make_dataset(root, index, IMG_EXTENSIONS))
+    except OSError as e:  # no folder, no class folders, a class folder without images
+        hint = " (leave --data out for synthetic images)" if flag == "--data" else ""
+        sys.exit(f"error: {flag} {root}: {e.strerror or e}; an ImageFolder root holds one folder "
+                 f"of images per class{hint}")
+
+
 def check_resnet(args: argparse.Namespace, world: int, workers: int) -> None:
     """Refuse a bad --arch, data or checkpoint before training; fill in what they decide."""
     if args.arch not in torchvision.models.list_models(module=torchvision.models):
@@ -432,14 +501,15 @@ def check_resnet(args: argparse.Namespace, world: int, workers: int) -> None:
                  f"try resnet18 or resnet50")
     images, classes = args.synthetic_size, 1000
     if args.data:
-        try:  # what ImageFolder would find, without a traceback in every rank
-            names, index = find_classes(args.data)
-            images, classes = len(make_dataset(args.data, index, IMG_EXTENSIONS)), len(names)
-        except OSError as e:  # no folder, no class folders, a class folder without images
-            sys.exit(f"error: --data {args.data}: {e.strerror or e}; an ImageFolder root holds "
-                     f"one folder of images per class (leave --data out for synthetic images)")
+        names, images = scan_image_folder("--data", args.data)
+        classes = len(names)
         if (args.num_classes or classes) < classes:
             sys.exit(f"error: --num-classes {args.num_classes}, but --data has {classes} classes")
+    if args.val_data and not args.data:
+        sys.exit("error: --val-data needs --data, with the same class folders")
+    if args.val_data and scan_image_folder("--val-data", args.val_data)[0] != names:
+        sys.exit(f"error: --val-data {args.val_data} and --data {args.data} must hold the same "
+                 f"class folders")
     args.num_classes = args.num_classes or classes
     if -(-images // world) < args.batch_size:  # each rank's share, padded by the sampler
         sys.exit(f"error: {images} images make no full batch of {args.batch_size} on each of "
@@ -469,6 +539,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0, help="model init, synthetic data, shuffling")
     p.add_argument("--max-steps", type=int, help="stop each epoch after N steps (smoke runs)")
     p.add_argument("--data", help="ImageFolder root; without it, synthetic in-memory images")
+    p.add_argument("--val-data", help="ImageFolder root scored after every epoch (top-1)")
     p.add_argument("--image-size", type=int, default=224)
     p.add_argument("--arch", default="resnet50", help="any torchvision classification model")
     p.add_argument("--num-classes", type=int, help="default: --data's classes, or 1000")
