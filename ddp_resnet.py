@@ -12,9 +12,12 @@ map_location). Without --data it trains on synthetic images held in memory.
     python ddp_resnet.py --cpu --arch resnet18 --image-size 64 --epochs 2 --max-steps 10
     torchrun --standalone --nproc-per-node=2 ddp_resnet.py --cpu ...   # the same flags work
 
-The CPU example above prints, from rank 0, `epoch 2/2 | step 10/10 | loss 6.9155 | 125 img/s`
-lines (images/s of all ranks, after 5 warm-up steps an epoch) and a final line:
-    done | epochs 2 | final_loss 6.9671 | 125 img/s | checkpoint model_checkpoints/epoch_2.pt
+The CPU example above prints, from rank 0, `epoch 2/2 | step 10/10 | loss 6.9155 | 110 img/s`
+lines (images/s of all ranks, after 5 warm-up steps an epoch), a line per epoch (its mean
+loss over every rank's steps; with --val-data, `| val_accuracy 0.8552 (10000 images)` after
+it) and a final line:
+    epoch 2/2 | loss 6.9671 | 110 img/s | 12.3 s
+    done | epochs 2 | final_loss 6.9671 | 110 img/s | checkpoint model_checkpoints/epoch_2.pt
 """
 import argparse
 import ctypes

@@ -181,3 +181,10 @@ def test_dp_second_run_refused_and_a_killed_run_leaves_no_lock(tmp_path):
     finish(first, timeout=30, check=False)
     run(command("dp", "--epochs", 1, "--resume", "--ckpt-dir", folder), timeout=TIMEOUT)
     assert resumable(folder) == [1]
+
+
+def test_ckpt_dir_that_cannot_be_a_folder_is_one_line(tmp_path):
+    (tmp_path / "taken").write_text("a file where the folder should be")
+    res = run(command("spawn", "--ckpt-dir", tmp_path / "taken"), timeout=60, check=False)
+    assert res.returncode == 1
+    assert res.stderr.strip().splitlines() == [f"error: cannot use --ckpt-dir {tmp_path / 'taken'} (File exists)"]
