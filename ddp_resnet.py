@@ -453,17 +453,17 @@ def report(args, device, progress: Progress, final_loss, checkpoint, val) -> Non
 
 
 def hold_ckpt_dir(args: argparse.Namespace) -> None:
-    """Global rank 0 locks --ckpt-dir for as long as it runs; if another run holds it, every
-    rank stops (rank 0 says why)."""
+    """Global rank 0 locks --ckpt-dir for as long as it runs (spawned: its launcher has done so
+    already); if another run holds it, every rank stops and rank 0 says why."""
     error = [lock(args.ckpt_dir) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(error, src=0)
     if error[0]:
         sys.exit(error[0] if dist.get_rank() == 0 else LOST)
 
 
-def lock(folder: str, hold: bool = True):
+def lock(folder: str):
     """Lock folder/.lock for the life of this process (the kernel lets go on any exit, SIGKILL
-    too; hold=False: at once) and remove what a killed save left there; or return why not."""
+    too) and remove what a killed save left there; or return why not."""
     try:
         Path(folder).mkdir(parents=True, exist_ok=True)
         fd = os.open(Path(folder) / ".lock", os.O_RDWR | os.O_CREAT, 0o644)
@@ -471,6 +471,8 @@ def lock(folder: str, hold: bool = True):
             fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except (BlockingIOError, PermissionError):  # another process holds it
             holder = os.read(fd, 100).decode(errors="replace").strip() or "pid unknown"
+            if holder == f"host {socket.gethostname()}, pid {os.getppid()}":
+                return None  # the launcher that spawned this rank: it holds it for the run
             return (f"error: --ckpt-dir {folder} is in use by another run ({holder}); wait for "
                     f"it to end, or use another folder")
         except OSError as e:  # a file system without locks (NFS without lockd, say)
@@ -480,8 +482,6 @@ def lock(folder: str, hold: bool = True):
         os.write(fd, f"host {socket.gethostname()}, pid {os.getpid()}\n".encode())
         for left in Path(folder).glob("epoch_*.tmp*"):  # a killed save's: nobody else writes here
             left.unlink()
-        if not hold:
-            os.close(fd)
     except OSError as e:
         return f"error: cannot use --ckpt-dir {folder} ({e.strerror or e})"
 
@@ -520,7 +520,7 @@ def check_resnet(args: argparse.Namespace, world: int, workers: int) -> None:
     args.workers = workers if args.workers is None else args.workers
     if args.workers < 0:
         sys.exit(f"error: --workers must be 0 or more, got {args.workers}")
-    error = None if "RANK" in os.environ else lock(args.ckpt_dir, hold=False)
+    error = None if "RANK" in os.environ else lock(args.ckpt_dir)  # torchrun: rank 0 does it
     if error:  # another run holds the folder: stop before any rank starts
         sys.exit(error)
     args.start_epoch, args.resumed_from = 1, None

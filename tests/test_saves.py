@@ -155,7 +155,7 @@ def test_two_runs_on_one_folder(uninterrupted, tmp_path):
     assert re.fullmatch(rf"error: --ckpt-dir {folder} is in use by another run \(host {socket.gethostname()}, "
                         r"pid \d+\); wait for it to end, or use another folder\n", results[loser].stderr)
     assert "epoch 1/4" not in results[loser].stdout  # stopped before training
-    assert ended[loser] < ended[winner] and ended[loser] < 60, ended
+    assert ended[loser] < ended[winner] and ended[loser] < 40, ended  # 6 s here: the launcher checks
     reference = uninterrupted[0]
     if winner == 1:
         reference = tmp_path / "alone"
