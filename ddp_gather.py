@@ -199,6 +199,8 @@ def check_args(args: argparse.Namespace, positive: tuple) -> None:
     gpus = 0 if args.cpu else torch.cuda.device_count()
     if "RANK" not in os.environ and gpus and args.nprocs > gpus:  # torchrun: --nprocs unused
         sys.exit(f"error: --nprocs {args.nprocs}, but {gpus} GPU(s); use at most that, or --cpu")
+    if args.metrics_out and not os.path.isdir(os.path.dirname(os.path.abspath(args.metrics_out))):
+        sys.exit(f"error: --metrics-out {args.metrics_out}: its folder does not exist")
 
 
 if __name__ == "__main__":

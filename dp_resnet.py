@@ -273,6 +273,8 @@ def check_args(args: argparse.Namespace) -> int:
     if (args.gpus or 0) > visible or (args.no_wrap and (args.gpus or 1) > 1):
         sys.exit(f"error: --gpus {args.gpus}, but {visible} GPU(s) visible"
                  f"{' and --no-wrap uses one' if args.no_wrap else ''}; leave --gpus out")
+    if args.metrics_out and not os.path.isdir(os.path.dirname(os.path.abspath(args.metrics_out))):
+        sys.exit(f"error: --metrics-out {args.metrics_out}: its folder does not exist")
     gpus = min(1, visible) if args.no_wrap else args.gpus or visible
     check_resnet(args, world=1, workers=4 * gpus)  # AIME's 4 workers per GPU
     print0(f"DataParallel over {gpus} GPU(s), global batch {args.batch_size}"

@@ -188,6 +188,8 @@ def check_user_error(result, *words) -> str:
     ("dp_resnet.py", ["--data", "EMPTY"], ["class_0"]),
     ("dp_resnet.py", ["--gpus", 99], ["--gpus 99"]),
     ("dp_resnet.py", ["--synthetic-size", 3], ["--batch-size"]),
+    ("ddp_resnet.py", ["--metrics-out", "no/such/folder/m.json"], ["no/such/folder/m.json"]),  # found
+    ("dp_resnet.py", ["--metrics-out", "no/such/folder/m.json"], ["no/such/folder/m.json"]),  # before training
 ])
 def test_bad_flags_give_one_error_line(script, flags, words, tmp_path):
     (tmp_path / "empty" / "class_0").mkdir(parents=True)
