@@ -8,7 +8,9 @@ Follows the "Data-Parallel Training" tutorial (SeqNet, mp.spawn) one to one and 
     torchrun --standalone --nproc-per-node=2 ddp_fashionmnist.py --cpu
     python ddp_fashionmnist.py --synthetic --epochs 1  # smoke run on random data
 
-Rank 0 prints one line per epoch and a final line:
+Rank 0 prints a start line (`start | 2 processes | gloo on CPU | SeqNet | ...`: the data, the
+batch, steps and epochs), one line per epoch (and a progress line at least every 30 s where an
+epoch takes longer) and a final line:
     epoch 10/10 | loss 0.4991 | 19591 img/s | 3.1 s
     done | test_accuracy 0.8536 (10000 images) | world_size 2 | backend gloo
 """
@@ -112,11 +114,12 @@ class SeqNet(nn.Module):
 def train(model: nn.Module, train_loader: DataLoader, loss_function: nn.Module,
           optimizer: torch.optim.Optimizer, device: torch.device, args: argparse.Namespace) -> dict:
     model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
-    steps, average_loss = 0, float("nan")
+    steps, average_loss = min(len(train_loader), args.max_steps or len(train_loader)), float("nan")
     for epoch in range(args.epochs):
         train_loader.sampler.set_epoch(epoch)  # fixed: without it every epoch has the same order
         model.train()
         start, running = time.perf_counter(), torch.zeros(2, device=device)  # [loss sum, steps]
+        last = start
         for i, (images, labels) in enumerate(train_loader):
             if i == args.max_steps:
                 break
@@ -127,12 +130,17 @@ def train(model: nn.Module, train_loader: DataLoader, loss_function: nn.Module,
             loss.backward()
             optimizer.step()
             running += torch.stack([loss.detach(), torch.ones((), device=device)])
-            steps += 1
+            if time.perf_counter() - last >= 30:  # a slow machine: never quiet for long
+                last, done = time.perf_counter(), i + 1
+                rate = done * args.batch_size * dist.get_world_size() / (last - start)
+                print0(f"epoch {epoch + 1}/{args.epochs} | step {done}/{steps} | loss "
+                       f"{loss.item():.4f} | {rate:.0f} img/s | eta "
+                       f"{duration((steps - done) * (last - start) / done)}{args.tag}")
         dist.all_reduce(running)  # fixed: the tutorial printed rank 0's share; this is everyone's
         average_loss, seconds = (running[0] / running[1]).item(), time.perf_counter() - start
         print0(f"epoch {epoch + 1}/{args.epochs} | loss {average_loss:.4f} | "
                f"{running[1] * args.batch_size / seconds:.0f} img/s | {seconds:.1f} s{args.tag}")
-    return {"epochs_run": args.epochs, "steps": steps, "final_loss": average_loss}
+    return {"epochs_run": args.epochs, "steps": steps * args.epochs, "final_loss": average_loss}
 
 
 @torch.no_grad()
@@ -167,6 +175,7 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
         loss_function = nn.CrossEntropyLoss()
         train_loader = prepare_dataloader(train_set, args.batch_size, args.seed,
                                           pin_memory=device.type == "cuda")
+        print_start(device, train_loader, args)  # what runs where, before the first step
         results = train(my_net, train_loader, loss_function, optimizer, device, args)
         correct, seen = test(my_net, test_set, device, args.batch_size)
         print0(f"done | test_accuracy {correct / seen:.4f} ({seen} images) | world_size "
@@ -273,6 +282,21 @@ def print0(*args) -> None:
         print(*args, flush=True)
 
 
+def where(device: torch.device) -> str:
+    """What runs where, for the start line: "2 processes | gloo on CPU"."""
+    n, kind = dist.get_world_size(), "CPU" if device.type == "cpu" else "GPUs"
+    processes = f"{n} processes" if n > 1 else "1 process"
+    return f"{processes} | {dist.get_backend()} on {kind}"
+
+
+def duration(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h" if days else f"{hours}h{minutes:02d}m" if hours else \
+        f"{minutes}m{seconds:02d}s"
+
+
 def parser(doc: str) -> argparse.ArgumentParser:
     """The flags every DDP script of the collection has."""
     p = argparse.ArgumentParser(description=doc.split("\n")[0],
@@ -294,8 +318,17 @@ def check_args(args: argparse.Namespace, positive: tuple) -> None:
     gpus = 0 if args.cpu else torch.cuda.device_count()
     if "RANK" not in os.environ and gpus and args.nprocs > gpus:  # torchrun: --nprocs unused
         sys.exit(f"error: --nprocs {args.nprocs}, but {gpus} GPU(s); use at most that, or --cpu")
-    if args.metrics_out and not os.path.isdir(os.path.dirname(os.path.abspath(args.metrics_out))):
-        sys.exit(f"error: --metrics-out {args.metrics_out}: its folder does not exist")
+    try:  # the folder --metrics-out goes in, made now: no traceback after the training
+        os.makedirs(os.path.dirname(os.path.abspath(args.metrics_out or "-")), exist_ok=True)
+    except OSError as e:
+        sys.exit(f"error: --metrics-out {args.metrics_out}: {e.strerror} ({e.filename})")
+
+
+def print_start(device: torch.device, train_loader: DataLoader, args: argparse.Namespace):
+    steps = min(len(train_loader), args.max_steps or len(train_loader))
+    print0(f"start | {where(device)} | SeqNet | {'synthetic' if args.synthetic else args.data} "
+           f"{len(train_loader.dataset)} images | batch {args.batch_size} x "
+           f"{dist.get_world_size()} | {steps} steps x {args.epochs} epochs")
 
 
 def idx_files(root: Path) -> dict:

@@ -9,7 +9,8 @@ all_gather does the same for tensors.
     python ddp_gather.py --cpu --nprocs 3      # gloo on CPU, 3 processes
     torchrun --standalone --nproc-per-node=2 ddp_gather.py --cpu
 
-Rank 0 prints the gathered list and a final line:
+Rank 0 prints a start line (`start | 2 processes | gloo on CPU | one dict and one tensor per
+rank`), the gathered list and a final line:
     gathered 2 objects | world_size 2 | backend gloo
 """
 import argparse
@@ -62,6 +63,7 @@ def cleanup() -> None:
 def main(local_rank: int, args: argparse.Namespace) -> None:
     device = ddp_setup(local_rank, args)
     try:
+        print0(f"start | {where(device)} | one dict and one tensor per rank")
         rank, world_size = dist.get_rank(), dist.get_world_size()
         data = {
             "tensor": torch.ones(3, device=device) + rank,  # set_device came first: see ddp_setup
@@ -178,6 +180,21 @@ def print0(*args) -> None:
         print(*args, flush=True)
 
 
+def where(device: torch.device) -> str:
+    """What runs where, for the start line: "2 processes | gloo on CPU"."""
+    n, kind = dist.get_world_size(), "CPU" if device.type == "cpu" else "GPUs"
+    processes = f"{n} processes" if n > 1 else "1 process"
+    return f"{processes} | {dist.get_backend()} on {kind}"
+
+
+def duration(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h" if days else f"{hours}h{minutes:02d}m" if hours else \
+        f"{minutes}m{seconds:02d}s"
+
+
 def parser(doc: str) -> argparse.ArgumentParser:
     """The flags every DDP script of the collection has."""
     p = argparse.ArgumentParser(description=doc.split("\n")[0],
@@ -199,8 +216,10 @@ def check_args(args: argparse.Namespace, positive: tuple) -> None:
     gpus = 0 if args.cpu else torch.cuda.device_count()
     if "RANK" not in os.environ and gpus and args.nprocs > gpus:  # torchrun: --nprocs unused
         sys.exit(f"error: --nprocs {args.nprocs}, but {gpus} GPU(s); use at most that, or --cpu")
-    if args.metrics_out and not os.path.isdir(os.path.dirname(os.path.abspath(args.metrics_out))):
-        sys.exit(f"error: --metrics-out {args.metrics_out}: its folder does not exist")
+    try:  # the folder --metrics-out goes in, made now: no traceback after the training
+        os.makedirs(os.path.dirname(os.path.abspath(args.metrics_out or "-")), exist_ok=True)
+    except OSError as e:
+        sys.exit(f"error: --metrics-out {args.metrics_out}: {e.strerror} ({e.filename})")
 
 
 if __name__ == "__main__":

@@ -183,6 +183,7 @@ def run_training(gpus: int, args: argparse.Namespace) -> None:
     torch.backends.cudnn.benchmark = True  # one input size: find the fastest kernels once
     steps = min(len(dataloader), args.max_steps or len(dataloader))
     progress, final_loss, checkpoint = Progress(args, device, steps), None, None
+    progress.first_line(where(gpus, args), len(dataloader.dataset))  # what runs where
     model.train()
     for epoch in range(args.start_epoch, args.epochs + 1):  # fixed: range(1, 30) ran 29
         if epoch > 1:
@@ -203,18 +204,35 @@ def run_training(gpus: int, args: argparse.Namespace) -> None:
             progress.step(epoch, step, loss, len(images))
         final_loss = epoch_loss.item() / steps
         checkpoint = save_model(epoch, model, optimizer, args)
+        progress.summary(epoch, final_loss)
     report(args, gpus, progress, final_loss, checkpoint)
 
 
 # --- plumbing: progress, checks, arguments ---
 class Progress:
-    """A line every --log-every steps, with images/s after the first --warmup-steps of each
-    epoch (the loader starting again, cuDNN trying kernels). The clock is read only for a
-    line, after a device sync, so timing costs no speed."""
+    """Rank 0's start line, then a line every --log-every steps and at least every 30 s, with
+    images/s after the first --warmup-steps of each epoch (the loader starting again, cuDNN
+    trying kernels) and the time the epoch has left. The clock is read after a device sync
+    only for a line, so timing costs no speed."""
 
     def __init__(self, args: argparse.Namespace, device: torch.device, steps: int):
         self.args, self.device, self.steps = args, device, steps
         self.run, self.images, self.seconds = 0, 0, 0.0
+        self.epoch_began = self.last_line = time.perf_counter()
+        self.slow = device.type == "cpu" and args.image_size >= 160  # GPU sizes on a CPU
+
+    def first_line(self, where: str, images: int) -> None:
+        a, world = self.args, int(os.environ.get("WORLD_SIZE", "1"))
+        print0(" | ".join([
+            "start", where, f"{a.arch} {a.image_size}px",
+            f"{a.data or 'synthetic'} {images} images",
+            f"batch {a.batch_size}" + (f" x {world}" if world > 1 else ""),
+            f"{self.steps} steps x {a.epochs} epochs", f"ckpt {a.ckpt_dir}",
+            *([f"resumed from epoch {a.resumed_from}"] if a.resumed_from else [])]))
+        if self.slow:
+            print0(f"note: {a.arch} at {a.image_size}px is slow on a CPU (the eta below says how "
+                   f"slow); for a quick look: --arch resnet18 --image-size 32 --epochs 2 "
+                   f"--max-steps 3")
 
     def step(self, epoch: int, step: int, loss: torch.Tensor, batch: int) -> None:
         self.run += 1
@@ -222,13 +240,31 @@ class Progress:
             self.start = self.clock()
         elif step > self.args.warmup_steps:
             self.images += batch
-        if step % self.args.log_every == 0 or step == self.steps:  # the last step: always
+        if (step % self.args.log_every == 0 or step == self.steps
+                or time.perf_counter() - self.last_line >= 30):  # never quiet for long
             if step > self.args.warmup_steps:
                 now = self.clock()
                 self.seconds, self.start = self.seconds + now - self.start, now
-            rate = self.rate() * int(os.environ.get("WORLD_SIZE", "1"))  # rank 0's, times N
+            self.last_line = time.perf_counter()
+            epoch_time = (self.last_line - self.epoch_began) * self.steps / step  # so far
+            left = epoch_time * (1 - step / self.steps)
+            eta = f" | eta {duration(left)}" if step < self.steps else ""
             print0(f"epoch {epoch}/{self.args.epochs} | step {step}/{self.steps} | "
-                   f"loss {loss.item():.4f} | {f'{rate:.0f}' if rate else '-'} img/s")
+                   f"loss {loss.item():.4f} | {self.per_sec()} img/s{eta}")
+            if self.slow and step < self.steps:
+                self.slow = False  # once
+                print0(f"note: at this speed an epoch takes about {duration(epoch_time)}")
+
+    def summary(self, epoch: int, loss: float, more: str = "") -> None:
+        """The epoch's line: the mean loss of every rank's steps (and, say, top-1)."""
+        now = time.perf_counter()
+        seconds, self.epoch_began = now - self.epoch_began, now
+        print0(f"epoch {epoch}/{self.args.epochs} | loss {loss:.4f}{more} | "
+               f"{self.per_sec()} img/s | {seconds:.1f} s")
+
+    def per_sec(self) -> str:
+        rate = self.rate() * int(os.environ.get("WORLD_SIZE", "1"))  # rank 0's, times N
+        return f"{rate:.0f}" if rate else "-"
 
     def rate(self) -> float:
         """This process's images/s so far."""
@@ -257,6 +293,21 @@ def report(args, gpus: int, progress: Progress, final_loss, checkpoint) -> None:
             "max_memory_gib": memory, "resumed_from": args.resumed_from}, indent=1))
 
 
+def where(gpus: int, args: argparse.Namespace) -> str:
+    """What runs where, for the start line."""
+    if gpus and not args.no_wrap:
+        return f"1 process | DataParallel over {gpus} GPU(s)"
+    return f"1 process | {'cuda:0' if gpus else 'CPU'}, no DataParallel"
+
+
+def duration(seconds: float) -> str:
+    minutes, seconds = divmod(int(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    days, hours = divmod(hours, 24)
+    return f"{days}d{hours:02d}h" if days else f"{hours}h{minutes:02d}m" if hours else \
+        f"{minutes}m{seconds:02d}s"
+
+
 def print0(*args) -> None:
     if int(os.environ.get("RANK", "0")) == 0:  # global rank 0 (unset before setup: the parent)
         print(*args, flush=True)
@@ -273,8 +324,10 @@ def check_args(args: argparse.Namespace) -> int:
     if (args.gpus or 0) > visible or (args.no_wrap and (args.gpus or 1) > 1):
         sys.exit(f"error: --gpus {args.gpus}, but {visible} GPU(s) visible"
                  f"{' and --no-wrap uses one' if args.no_wrap else ''}; leave --gpus out")
-    if args.metrics_out and not os.path.isdir(os.path.dirname(os.path.abspath(args.metrics_out))):
-        sys.exit(f"error: --metrics-out {args.metrics_out}: its folder does not exist")
+    try:  # the folder --metrics-out goes in, made now: no traceback after the training
+        os.makedirs(os.path.dirname(os.path.abspath(args.metrics_out or "-")), exist_ok=True)
+    except OSError as e:
+        sys.exit(f"error: --metrics-out {args.metrics_out}: {e.strerror} ({e.filename})")
     gpus = min(1, visible) if args.no_wrap else args.gpus or visible
     check_resnet(args, world=1, workers=4 * gpus)  # AIME's 4 workers per GPU
     print0(f"DataParallel over {gpus} GPU(s), global batch {args.batch_size}"

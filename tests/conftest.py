@@ -2,6 +2,7 @@
 make sure no process of a run outlives it."""
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -76,6 +77,24 @@ def finish(proc: subprocess.Popen, timeout: float, check: bool = True, linger: f
 
 def run(args: list, timeout: float, cwd=None, env=None, check=True, preexec_fn=None):
     return finish(start(args, cwd, env, preexec_fn), timeout, check)
+
+
+def lines(proc: subprocess.Popen, timeout: float, until=lambda line: False):
+    """Yield (time, line) from a started command's stdout as lines come, until one satisfies
+    `until`, the output ends, or `timeout` seconds have passed (then the test fails)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            kill_all(proc)
+            pytest.fail(f"no end of output within {timeout}s: {' '.join(map(str, proc.args))}")
+        if select.select([proc.stdout], [], [], min(left, 1))[0]:
+            line = proc.stdout.readline()
+            if not line:
+                return
+            yield time.monotonic(), line.rstrip("\n")
+            if until(line):
+                return
 
 
 def python(script: str, *flags) -> list:

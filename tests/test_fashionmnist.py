@@ -46,6 +46,8 @@ def test_smoke_both_launchers(tmp_path, launcher):
     assert m["final_loss"] > 0 and 0 <= m["test_accuracy"] <= 1
     printed = [line for line in res.stdout.splitlines() if line.startswith(("epoch", "done"))]
     assert len(printed) == 3 and all(line.endswith("| synthetic data") for line in printed)
+    assert res.stdout.splitlines()[0] == ("start | 2 processes | gloo on CPU | SeqNet | synthetic 60000 images | "
+                                          "batch 100 x 2 | 5 steps x 2 epochs")  # before the first step
 
 
 def test_ddp_matches_one_process_with_the_global_batch(tmp_path):

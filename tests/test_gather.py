@@ -22,6 +22,7 @@ def test_all_gather_object_rank_order(tmp_path, launcher, world):
     assert m["gathered"] == [expected(r) for r in range(world)]
     assert m["gathered_tensors"] == [[1.0 + r] * 3 for r in range(world)]
     assert f"gathered {world} objects" in res.stdout
+    assert res.stdout.splitlines()[0] == f"start | {world} processes | gloo on CPU | one dict and one tensor per rank"
 
 
 def test_nprocs_zero_is_one_clear_error():

@@ -20,7 +20,7 @@ SMALL = [*BASE, "--num-classes", 10]  # dp_resnet.py: no --timeout
 DDP = RESNET  # SMALL and --timeout 60
 SPAWN = [*DDP, "--nprocs", 2]
 TIMEOUT = 180
-PROGRESS = re.compile(r"^epoch (\d+)/(\d+) \| step \d+/\d+ \| loss \d+\.\d{4} \| (\d+|-) img/s$", re.M)
+PROGRESS = re.compile(r"^epoch (\d+)/(\d+) \| step \d+/\d+ \| loss \d+\.\d{4} \| (\d+|-) img/s(?: \| eta \S+)?$", re.M)
 
 
 def ckpt_args(folder) -> list:
@@ -58,6 +58,9 @@ def check_ddp_run(folder, out: str, epochs: int) -> dict:
 def test_ddp_spawned_checkpoints_load(uninterrupted):
     folder, out = uninterrupted
     assert f"--resume: no checkpoint in {folder}, starting fresh" in out
+    lines = out.splitlines()  # rank 0's start line comes before the first step
+    assert lines[1] == (f"start | 2 processes | gloo on CPU | resnet18 32px | synthetic 32 images | batch 4 x 2 | "
+                        f"2 steps x 4 epochs | ckpt {folder}") and lines[2].startswith("epoch 1/4 | step ")
     check_ddp_run(folder, out, epochs=4)
 
 
@@ -79,6 +82,7 @@ def test_ddp_resume_matches_uninterrupted_run(uninterrupted, tmp_path):
     result = run(python("ddp_resnet.py", *SPAWN, "--epochs", 4, "--resume", *ckpt_args(tmp_path)), timeout=TIMEOUT,
                  env=ONE_THREAD)
     assert f"--resume: continuing after {tmp_path / 'epoch_2.pt'}" in result.stdout
+    assert f"2 steps x 4 epochs | ckpt {tmp_path} | resumed from epoch 2" in result.stdout
     assert {int(e) for e, _, _ in PROGRESS.findall(result.stdout)} == {3, 4}  # finished epochs not redone
     assert {p.name: p.read_bytes() for p in tmp_path.glob("epoch_[12].pt")} == before
     m = metrics(tmp_path / "metrics.json")
@@ -94,6 +98,8 @@ def test_dp_on_cpu_and_resume(tmp_path):
     flags = [*SMALL, "--amp", "--channels-last"]
     result = run(python("dp_resnet.py", *flags, "--epochs", 2, *ckpt_args(a)), timeout=TIMEOUT)
     assert "--cpu: the plain model on CPU" in result.stdout
+    assert result.stdout.splitlines()[1] == (f"start | 1 process | CPU, no DataParallel | resnet18 32px | synthetic "
+                                             f"32 images | batch 4 | 2 steps x 2 epochs | ckpt {a}")
     m = metrics(a / "metrics.json")
     assert (m["script"], m["world_size"], m["backend"], m["device"]) == ("dp_resnet.py", 1, "none", "cpu")
     assert (m["epochs_run"], m["steps"], m["resumed_from"]) == (2, 4, None) and math.isfinite(m["final_loss"])
@@ -188,13 +194,16 @@ def check_user_error(result, *words) -> str:
     ("dp_resnet.py", ["--data", "EMPTY"], ["class_0"]),
     ("dp_resnet.py", ["--gpus", 99], ["--gpus 99"]),
     ("dp_resnet.py", ["--synthetic-size", 3], ["--batch-size"]),
-    ("ddp_resnet.py", ["--metrics-out", "no/such/folder/m.json"], ["no/such/folder/m.json"]),  # found
-    ("dp_resnet.py", ["--metrics-out", "no/such/folder/m.json"], ["no/such/folder/m.json"]),  # before training
+    ("ddp_resnet.py", ["--metrics-out", "AFILE/m.json"], ["AFILE/m.json", "File exists"]),  # found
+    ("dp_resnet.py", ["--metrics-out", "AFILE/m.json"], ["AFILE/m.json", "File exists"]),  # before training
 ])
 def test_bad_flags_give_one_error_line(script, flags, words, tmp_path):
     (tmp_path / "empty" / "class_0").mkdir(parents=True)
     (tmp_path / "empty" / "class_0" / "notes.txt").write_text("not an image")
-    flags = [tmp_path / "empty" if f == "EMPTY" else f for f in flags]
+    (tmp_path / "a_file").write_text("not a folder")
+    flags = [tmp_path / "empty" if f == "EMPTY" else f.replace("AFILE", str(tmp_path / "a_file"))
+             if isinstance(f, str) else f for f in flags]
+    words = [w.replace("AFILE", str(tmp_path / "a_file")) if isinstance(w, str) else w for w in words]
     result = run(python(script, *SMALL, *flags, "--ckpt-dir", tmp_path / "ckpt"), timeout=60, check=False)
     check_user_error(result, *words)
     assert not (tmp_path / "ckpt").exists()

@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from conftest import ONE_THREAD, RESNET, finish, python, run, same_weights, start, torchrun
+from conftest import ONE_THREAD, RESNET, finish, lines, python, run, same_weights, start, torchrun
 
 TIMEOUT = 180
 LONG = ["--max-steps", 6, "--synthetic-size", 48, "--log-every", 2]  # 6 steps an epoch
@@ -66,8 +66,9 @@ def test_ctrl_c_mid_epoch_then_during_a_save_then_resume(how, tmp_path):
     folder = tmp_path / "ckpt"
     flags = [*LONG, "--epochs", 3, "--ckpt-dir", folder]
     proc = start(command(how, *flags))  # Ctrl-C mid-epoch: once step 2 of epoch 2 is reported
-    while not proc.stdout.readline().startswith("epoch 2/3 | step 2/6"):
-        assert proc.poll() is None, finish(proc, timeout=10, check=False).stderr[-3000:]
+    for _ in lines(proc, TIMEOUT, until=lambda line: line.startswith("epoch 2/3 | step 2/6")):
+        pass
+    assert proc.poll() is None, finish(proc, timeout=10, check=False).stderr[-3000:]
     os.killpg(proc.pid, signal.SIGINT)
     sent = time.monotonic()
     res = finish(proc, timeout=30, check=False)  # also fails if any process is left
