@@ -12,8 +12,10 @@ map_location). Without --data it trains on synthetic images held in memory.
     python ddp_resnet.py --cpu --arch resnet18 --image-size 64 --epochs 2 --max-steps 10
     torchrun --standalone --nproc-per-node=2 ddp_resnet.py --cpu ...   # the same flags work
 
-The CPU example above prints, from rank 0, `epoch 2/2 | step 10/10 | loss 6.9155 | 110 img/s`
-lines (images/s of all ranks, after 5 warm-up steps an epoch), a line per epoch (its mean
+The CPU example above prints, from rank 0, a start line (`start | 2 processes | gloo on CPU |
+resnet18 64px | ...`), `epoch 2/2 | step 10/10 | loss 6.9155 | 110 img/s` lines (images/s of
+all ranks, after 5 warm-up steps an epoch; at least one every 30 s, with an eta), a line per
+epoch (its mean
 loss over every rank's steps; with --val-data, `| val_accuracy 0.8552 (10000 images)` after
 it) and a final line:
     epoch 2/2 | loss 6.9671 | 110 img/s | 12.3 s
@@ -448,7 +450,8 @@ class Progress:
                    f"loss {loss.item():.4f} | {self.per_sec()} img/s{eta}")
             if self.slow and step < self.steps:
                 self.slow = False  # once
-                print0(f"note: at this speed an epoch takes about {duration(epoch_time)}")
+                print0(f"note: at this speed an epoch takes about {duration(epoch_time)}, all "
+                       f"{self.args.epochs} epochs about {duration(epoch_time * self.args.epochs)}")
 
     def summary(self, epoch: int, loss: float, more: str = "") -> None:
         """The epoch's line: the mean loss of every rank's steps (and, say, top-1)."""

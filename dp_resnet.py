@@ -11,9 +11,12 @@ trains on synthetic in-memory images. For real multi-GPU speed use ddp_resnet.py
     python dp_resnet.py --cpu --arch resnet18 --image-size 64 --epochs 2 --max-steps 10
     python dp_resnet.py --no-wrap --batch-size 256 --epochs 1  # the baseline: bare model, cuda:0
 
-The CPU example above prints `epoch 2/2 | step 10/10 | loss 7.0836 | 127 img/s` lines (images/s
-after 5 warm-up steps an epoch) and a final line:
-    done | epochs 2 | final_loss 7.0261 | 127 img/s | checkpoint model_checkpoints/epoch_2.pt
+The CPU example above prints where the model runs, a start line (`start | 1 process | CPU, no
+DataParallel | resnet18 64px | ...`), `epoch 2/2 | step 10/10 | loss 7.0836 | 115 img/s` lines
+(images/s after 5 warm-up steps an epoch; at least one every 30 s, with an eta), a line per
+epoch and a final line:
+    epoch 2/2 | loss 7.0261 | 115 img/s | 6.2 s
+    done | epochs 2 | final_loss 7.0261 | 115 img/s | checkpoint model_checkpoints/epoch_2.pt
 """
 import argparse
 import errno
@@ -253,7 +256,8 @@ class Progress:
                    f"loss {loss.item():.4f} | {self.per_sec()} img/s{eta}")
             if self.slow and step < self.steps:
                 self.slow = False  # once
-                print0(f"note: at this speed an epoch takes about {duration(epoch_time)}")
+                print0(f"note: at this speed an epoch takes about {duration(epoch_time)}, all "
+                       f"{self.args.epochs} epochs about {duration(epoch_time * self.args.epochs)}")
 
     def summary(self, epoch: int, loss: float, more: str = "") -> None:
         """The epoch's line: the mean loss of every rank's steps (and, say, top-1)."""

@@ -80,21 +80,25 @@ def run(args: list, timeout: float, cwd=None, env=None, check=True, preexec_fn=N
 
 
 def lines(proc: subprocess.Popen, timeout: float, until=lambda line: False):
-    """Yield (time, line) from a started command's stdout as lines come, until one satisfies
-    `until`, the output ends, or `timeout` seconds have passed (then the test fails)."""
-    deadline = time.monotonic() + timeout
+    """Yield (time, line) from a started command's stdout as each line comes (read unbuffered,
+    so the time is the line's), until one satisfies `until`, the output ends, or `timeout`
+    seconds have passed (then the test fails)."""
+    deadline, fd, pending = time.monotonic() + timeout, proc.stdout.fileno(), b""
     while True:
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            yield time.monotonic(), line.decode()
+            if until(line.decode()):
+                return
         left = deadline - time.monotonic()
         if left <= 0:
             kill_all(proc)
             pytest.fail(f"no end of output within {timeout}s: {' '.join(map(str, proc.args))}")
-        if select.select([proc.stdout], [], [], min(left, 1))[0]:
-            line = proc.stdout.readline()
-            if not line:
+        if select.select([fd], [], [], min(left, 1))[0]:
+            chunk = os.read(fd, 1 << 16)
+            if not chunk:
                 return
-            yield time.monotonic(), line.rstrip("\n")
-            if until(line):
-                return
+            pending += chunk
 
 
 def python(script: str, *flags) -> list:
