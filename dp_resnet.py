@@ -234,8 +234,8 @@ class Progress:
             *([f"resumed from epoch {a.resumed_from}"] if a.resumed_from else [])]))
         if self.slow:
             print0(f"note: {a.arch} at {a.image_size}px is slow on a CPU (the eta below says how "
-                   f"slow); for a quick look: --arch resnet18 --image-size 32 --epochs 2 "
-                   f"--max-steps 3")
+                   f"slow); for a quick look, as run_all.sh: --arch resnet18 --image-size 32 "
+                   f"--batch-size 8 --epochs 2 --max-steps 3")
 
     def step(self, epoch: int, step: int, loss: torch.Tensor, batch: int) -> None:
         self.run += 1
