@@ -1,0 +1,113 @@
+"""The fixes no other test can see from outside: which samples each epoch and rank draws, how
+many threads and loader workers a rank uses, whose losses the printed loss averages, who
+downloads FashionMNIST, and that a clean run warns about nothing. The runs go through
+tests/recorded.py, which records those inside each process of an unchanged script."""
+import http.server
+import json
+import os
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import DEBIAN_FMNIST, RESNET, metrics, python, run, torchrun
+
+FM = ["--cpu", "--synthetic", "--epochs", 2, "--max-steps", 3, "--timeout", 60]
+
+
+def recorded(out, ranks: int) -> list:
+    return [json.loads(out.with_name(f"{out.name}.{r}.json").read_text()) for r in range(ranks)]
+
+
+@pytest.mark.parametrize("script", ["ddp_fashionmnist.py", "ddp_resnet.py"])
+def test_each_epoch_a_new_order_each_rank_its_own_share_the_loss_of_all(script, tmp_path):
+    """set_epoch: epoch 2 draws another order than epoch 1; the two ranks' shares are disjoint
+    and cover the data; the printed loss is the mean of both ranks' losses, not rank 0's; the
+    ranks split the cores; --workers is per process (the tutorial's 4 * GPUs is 0 here)."""
+    out, flags = tmp_path / "rec", ["--metrics-out", tmp_path / "m.json"]
+    if script == "ddp_resnet.py":
+        flags += [*RESNET, "--epochs", 2, "--workers", 1, "--ckpt-dir", tmp_path / "ckpt"]
+    run(torchrun("tests/recorded.py", 2, out, script, *(flags if script == "ddp_resnet.py" else FM + flags)),
+        timeout=180)
+    ranks, size = recorded(out, 2), 60000 if script == "ddp_fashionmnist.py" else 32
+    for rank in ranks:
+        assert len(rank["draws"]) == 2 and rank["draws"][0] != rank["draws"][1]
+        assert rank["threads"] == [max(1, os.cpu_count() // 2)] * 2
+    for epoch in (0, 1):
+        shares = [set(rank["draws"][epoch]) for rank in ranks]
+        assert not shares[0] & shares[1] and shares[0] | shares[1] == set(range(size))
+    last = [[value for pass_, value in rank["losses"] if pass_ == 2] for rank in ranks]
+    assert len(last[0]) == len(last[1]) > 0
+    mean, rank0 = sum(last[0] + last[1]) / len(last[0] + last[1]), sum(last[0]) / len(last[0])
+    assert rank0 != pytest.approx(mean, rel=1e-4)  # else this run could not tell them apart
+    assert metrics(tmp_path / "m.json")["final_loss"] == pytest.approx(mean, rel=1e-5)
+    if script == "ddp_resnet.py":
+        assert ranks[0]["workers"][0] == ranks[1]["workers"][0] == 1
+
+
+def test_dp_reshuffles_every_epoch_from_seed_plus_epoch(tmp_path):
+    """DataParallel has no sampler to set_epoch: each epoch draws a new order, made from seed +
+    epoch, so a run resumed after epoch 1 draws in epoch 2 what an uninterrupted run drew."""
+    flags = ["--arch", "resnet18", "--image-size", 32, "--batch-size", 4, "--max-steps", 2,
+             "--synthetic-size", 32, "--workers", 1]
+    for name, epochs, more in (("whole", 2, []), ("first", 1, []), ("resumed", 2, ["--resume"])):
+        folder = tmp_path / ("whole" if name == "whole" else "ckpt")
+        run(python("tests/recorded.py", tmp_path / name, "dp_resnet.py", *flags, "--epochs", epochs,
+                   "--ckpt-dir", folder, *more), timeout=180)
+    whole, first, resumed = (recorded(tmp_path / name, 1)[0] for name in ("whole", "first", "resumed"))
+    assert len(whole["draws"]) == 2 and whole["draws"][0] != whole["draws"][1]
+    assert sorted(whole["draws"][0]) == sorted(whole["draws"][1]) == list(range(32))
+    assert first["draws"] == whole["draws"][:1] and resumed["draws"] == whole["draws"][1:]
+    assert whole["workers"][0] == 1
+
+
+class Mirror(http.server.SimpleHTTPRequestHandler):
+    """Debian's FashionMNIST files, each answer slowed so that two downloaders would overlap."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, directory=str(DEBIAN_FMNIST), **kwargs)
+
+    def do_GET(self):
+        time.sleep(0.5)
+        super().do_GET()
+
+    def log_message(self, *args):
+        pass
+
+
+def test_fashionmnist_is_downloaded_once_per_machine(tmp_path):
+    """Under torchrun only local rank 0 downloads, the other rank waits for it; the tutorial
+    had every rank download into the same folder at once. A local mirror stands in for the
+    internet."""
+    if not (DEBIAN_FMNIST / "t10k-labels-idx1-ubyte.gz").is_file():
+        if os.environ.get("CI"):
+            pytest.fail("CI must install Debian's dataset-fashion-mnist")
+        pytest.skip("dataset-fashion-mnist is not installed")
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Mirror)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        out, data = tmp_path / "rec", tmp_path / "data"
+        env = {"FMNIST_MIRROR": f"http://127.0.0.1:{server.server_port}/", "no_proxy": "127.0.0.1"}
+        run(torchrun("tests/recorded.py", 2, out, "ddp_fashionmnist.py", "--cpu", "--data", data,
+                     "--epochs", 1, "--max-steps", 2, "--metrics-out", tmp_path / "m.json"),
+            timeout=180, env=env)
+    finally:
+        server.shutdown()
+    downloads = [name for rank in recorded(out, 2) for name in rank["downloads"]]
+    assert sorted(downloads) == sorted(f.name for f in DEBIAN_FMNIST.glob("*-ubyte.gz")), downloads
+    assert metrics(tmp_path / "m.json")["test_samples"] == 10000
+
+
+@pytest.mark.parametrize("script,flags", [
+    ("ddp_gather.py", ["--cpu", "--nprocs", 2]),
+    ("ddp_fashionmnist.py", ["--nprocs", 2, *FM]),
+    ("ddp_resnet.py", [*RESNET, "--nprocs", 2, "--epochs", 1]),
+    ("dp_resnet.py", [*RESNET[1:-2], "--epochs", 1]),
+])
+def test_a_clean_run_prints_nothing_on_stderr(script, flags, tmp_path):
+    """No warning a user would have to read past: among them the ones the tutorials' code gives
+    on a CPU (pin_memory=True without a GPU, torchvision's deprecated pretrained=False)."""
+    ckpt = ["--ckpt-dir", tmp_path / "ckpt"] if "resnet" in script else []
+    res = run(python(script, *flags, *ckpt), timeout=180)
+    assert res.stderr == ""
