@@ -183,16 +183,17 @@ def test_exception_in_one_rank_ends_the_job(tmp_path, launcher):
 
 def test_dataset_not_divisible_by_world_size(tmp_path):
     """An ImageFolder of 11 PNGs on 3 ranks: DistributedSampler pads, every rank runs the same
-    steps, no hang; with --amp --channels-last, and under TORCH_DISTRIBUTED_DEBUG=DETAIL, which
+    steps (its share of 4 in batches of 3: the last batch of 1, which BatchNorm cannot train on,
+    is dropped), no hang; with --amp --channels-last, and under TORCH_DISTRIBUTED_DEBUG=DETAIL, which
     crashes DDP on gloo (torch 2.11-2.14) without the scripts' workaround."""
     data = image_folder(tmp_path / "data", per_class=4)
     (data / "class_2" / "3.png").rename(data / "class_2" / "3.txt")  # 11 images
     out, ckpt = tmp_path / "m.json", tmp_path / "ckpt"
     run(python("ddp_resnet.py", "--cpu", "--nprocs", 3, "--arch", "resnet18", "--image-size", 32,
-               "--batch-size", 2, "--epochs", 2, "--timeout", 60, "--data", data, "--amp", "--channels-last",
+               "--batch-size", 3, "--epochs", 2, "--timeout", 60, "--data", data, "--amp", "--channels-last",
                "--ckpt-dir", ckpt, "--metrics-out", out), timeout=240, env=DETAIL)
     m = metrics(out)
-    assert m["steps"] == 2 * (-(-11 // 3) // 2) and math.isfinite(m["final_loss"])  # padded share of 4
+    assert m["steps"] == 2 * (-(-11 // 3) // 3) and math.isfinite(m["final_loss"])  # padded share of 4
     assert sorted(p.name for p in ckpt.glob("epoch_*.pt")) == ["epoch_1.pt", "epoch_2.pt"]
     ckpt = torch.load(ckpt / "epoch_2.pt", weights_only=True)  # --num-classes followed the folder
     torchvision.models.resnet18(num_classes=3).load_state_dict(ckpt["model_state_dict"])
