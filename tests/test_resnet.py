@@ -211,10 +211,18 @@ def test_bad_flags_give_one_error_line(script, flags, words, tmp_path):
     assert not (tmp_path / "ckpt").exists()
 
 
+class Mkdir:
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return os.mkdir, (self.path,)
+
+
 @pytest.mark.parametrize("script,kind", [("dp_resnet.py", "garbage"),  # truncated: under torchrun below
                                          ("ddp_resnet.py", "altered"),
                                          ("dp_resnet.py", "altered"), ("ddp_resnet.py", "wrong-model"),
-                                         ("ddp_resnet.py", "foreign")])
+                                         ("ddp_resnet.py", "foreign"), ("ddp_resnet.py", "code")])
 def test_unreadable_checkpoint_on_resume(script, kind, uninterrupted, tmp_path):
     good = (uninterrupted[0] / "epoch_2.pt").read_bytes()
     bad = tmp_path / "epoch_3.pt"
@@ -233,11 +241,14 @@ def test_unreadable_checkpoint_on_resume(script, kind, uninterrupted, tmp_path):
         (tmp_path / "epoch_3.pt.sha256").write_bytes((uninterrupted[0] / "epoch_2.pt.sha256").read_bytes())
     elif kind == "foreign":
         torch.save({"weights": torch.zeros(3)}, bad)
+    elif kind == "code":  # a pickle that runs code when loaded: weights_only=True refuses it
+        torch.save({"model_state_dict": Mkdir(tmp_path / "ran")}, bad)
     else:
         bad = tmp_path / "epoch_2.pt"
         flags = [f if f != "resnet18" else "resnet34" for f in flags]
     result = run(python(script, *flags, "--epochs", 4, "--resume", "--ckpt-dir", tmp_path), timeout=60, check=False)
     check_user_error(result, bad)
+    assert not (tmp_path / "ran").exists()
     assert not list(tmp_path.glob("epoch_[4-9].pt"))  # nothing trained
 
 
