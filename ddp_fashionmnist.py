@@ -167,7 +167,7 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
     try:
         # fixed: the tutorial downloads in every rank at once; one process per machine made the
         # data ready before the ranks started (see __main__), and the others wait for it here
-        dist.barrier()
+        dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)  # NCCL: ours
         train_set, test_set = load_datasets(args)
         torch.manual_seed(args.seed)  # the same initial weights on every rank
         my_net = SeqNet(784, 200, 200, 10).to(device)
@@ -226,6 +226,9 @@ def launch(fn, args: argparse.Namespace) -> None:
             rank = next((r for r, code in enumerate(codes) if code not in (0, LOST)), rank)
         if codes[rank] > 0:  # the rank said why, above
             sys.exit(codes[rank])
+        if codes[rank] == -signal.SIGABRT:  # NCCL's watchdog: not necessarily the culprit
+            sys.exit(f"error: rank {rank} was aborted (SIGABRT), as NCCL aborts the ranks that "
+                     f"wait in a collective past --timeout: another rank may have hung or died")
         sys.exit(f"error: rank {rank} was killed by {signal.Signals(-codes[rank]).name}; "
                  f"the others stopped")
 
@@ -311,13 +314,20 @@ def parser(doc: str) -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace, positive: tuple) -> None:
     """Refuse bad flag values and impossible launches before any process starts."""
+    tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", "1"))  # srun -n N starts N copies
+    if tasks > 1 and "RANK" not in os.environ:
+        sys.exit(f"error: started as one of {tasks} SLURM tasks, each a job of its own; run one "
+                 f"task per node, each running torchrun (README: On a SLURM cluster)")
     for name in ("nprocs", "timeout", *positive):
         value = getattr(args, name)  # None: not given, a default applies
         if value is not None and value <= 0:
             sys.exit(f"error: --{name.replace('_', '-')} must be positive, got {value}")
     gpus = 0 if args.cpu else torch.cuda.device_count()
-    if "RANK" not in os.environ and gpus and args.nprocs > gpus:  # torchrun: --nprocs unused
-        sys.exit(f"error: --nprocs {args.nprocs}, but {gpus} GPU(s); use at most that, or --cpu")
+    torchrun = "LOCAL_WORLD_SIZE" in os.environ  # then --nprocs is unused
+    procs = int(os.environ["LOCAL_WORLD_SIZE"]) if torchrun else args.nprocs  # on this machine
+    if gpus and procs > gpus:
+        flag = "torchrun --nproc-per-node" if torchrun else "--nprocs"
+        sys.exit(f"error: {flag} {procs}, but {gpus} GPU(s); use at most that, or --cpu")
     try:  # the folder --metrics-out goes in, made now: no traceback after the training
         os.makedirs(os.path.dirname(os.path.abspath(args.metrics_out or "-")), exist_ok=True)
     except OSError as e:

@@ -177,7 +177,7 @@ def load_model(device: torch.device, epoch: int, model, optimizer, args: argpars
     # published it. It stands before the load, not after the save, because the readers are the
     # ones who must wait: so it also covers --resume's first load, and nobody waits after the
     # last save. No barrier after the load: the next epoch's all-reduces keep the ranks in step.
-    dist.barrier()
+    dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)  # NCCL: ours
     # fixed: map_location={'cuda:0': f'cuda:{rank}'} fails on a CPU, or if the saver was not on
     # cuda:0; this rank's own device always fits
     ckpt = read_checkpoint(Path(args.ckpt_dir) / f"epoch_{epoch}.pt", model.module, args, device)
@@ -308,6 +308,9 @@ def launch(fn, args: argparse.Namespace) -> None:
             rank = next((r for r, code in enumerate(codes) if code not in (0, LOST)), rank)
         if codes[rank] > 0:  # the rank said why, above
             sys.exit(codes[rank])
+        if codes[rank] == -signal.SIGABRT:  # NCCL's watchdog: not necessarily the culprit
+            sys.exit(f"error: rank {rank} was aborted (SIGABRT), as NCCL aborts the ranks that "
+                     f"wait in a collective past --timeout: another rank may have hung or died")
         sys.exit(f"error: rank {rank} was killed by {signal.Signals(-codes[rank]).name}; "
                  f"the others stopped")
 
@@ -393,13 +396,20 @@ def parser(doc: str) -> argparse.ArgumentParser:
 
 def check_args(args: argparse.Namespace, positive: tuple) -> None:
     """Refuse bad flag values and impossible launches before any process starts."""
+    tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", "1"))  # srun -n N starts N copies
+    if tasks > 1 and "RANK" not in os.environ:
+        sys.exit(f"error: started as one of {tasks} SLURM tasks, each a job of its own; run one "
+                 f"task per node, each running torchrun (README: On a SLURM cluster)")
     for name in ("nprocs", "timeout", *positive):
         value = getattr(args, name)  # None: not given, a default applies
         if value is not None and value <= 0:
             sys.exit(f"error: --{name.replace('_', '-')} must be positive, got {value}")
     gpus = 0 if args.cpu else torch.cuda.device_count()
-    if "RANK" not in os.environ and gpus and args.nprocs > gpus:  # torchrun: --nprocs unused
-        sys.exit(f"error: --nprocs {args.nprocs}, but {gpus} GPU(s); use at most that, or --cpu")
+    torchrun = "LOCAL_WORLD_SIZE" in os.environ  # then --nprocs is unused
+    procs = int(os.environ["LOCAL_WORLD_SIZE"]) if torchrun else args.nprocs  # on this machine
+    if gpus and procs > gpus:
+        flag = "torchrun --nproc-per-node" if torchrun else "--nprocs"
+        sys.exit(f"error: {flag} {procs}, but {gpus} GPU(s); use at most that, or --cpu")
     try:  # the folder --metrics-out goes in, made now: no traceback after the training
         os.makedirs(os.path.dirname(os.path.abspath(args.metrics_out or "-")), exist_ok=True)
     except OSError as e:
@@ -593,7 +603,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--arch", default="resnet50", help="any torchvision classification model")
     p.add_argument("--num-classes", type=int, help="default: --data's classes, or 1000")
     p.add_argument("--synthetic-size", type=int, default=12800, help="synthetic images an epoch")
-    p.add_argument("--workers", type=int, help="loader processes per rank; default: 4 on GPU")
+    p.add_argument("--workers", type=int,
+                   help="loader processes per rank; default: 4 on GPU, with --data")
     p.add_argument("--amp", action="store_true", help="bf16 autocast (meant for GPUs)")
     p.add_argument("--channels-last", action="store_true", help="NHWC memory format")
     p.add_argument("--ckpt-dir", default="model_checkpoints", help="rank 0 writes epoch_N.pt here")
@@ -608,5 +619,7 @@ if __name__ == "__main__":
     check_args(args, positive=("epochs", "batch_size", "lr", "max_steps", "image_size",
                                "num_classes", "synthetic_size", "log_every", "warmup_steps"))
     gpus = 0 if args.cpu else torch.cuda.device_count()
-    check_resnet(args, int(os.environ.get("WORLD_SIZE", args.nprocs)), workers=4 if gpus else 0)
+    # 4 loader workers per GPU process decode images; in-memory synthetic ones need none
+    check_resnet(args, int(os.environ.get("WORLD_SIZE", args.nprocs)),
+                 workers=4 if gpus and args.data else 0)
     launch(run_training_process_on_given_gpu, args)

@@ -319,6 +319,10 @@ def print0(*args) -> None:
 
 def check_args(args: argparse.Namespace) -> int:
     """Refuse bad flags, data and checkpoints before training; return the GPUs to use."""
+    tasks = int(os.environ.get("SLURM_STEP_NUM_TASKS", "1"))  # srun -n N starts N copies
+    if tasks > 1:
+        sys.exit(f"error: started as one of {tasks} SLURM tasks, each a training of its own; "
+                 f"DataParallel is one process: srun -n 1 (README: On a SLURM cluster)")
     for name in ("epochs", "batch_size", "lr", "max_steps", "image_size", "num_classes",
                  "synthetic_size", "log_every", "warmup_steps", "gpus"):
         value = getattr(args, name)  # None: not given, a default applies
@@ -333,7 +337,8 @@ def check_args(args: argparse.Namespace) -> int:
     except OSError as e:
         sys.exit(f"error: --metrics-out {args.metrics_out}: {e.strerror} ({e.filename})")
     gpus = min(1, visible) if args.no_wrap else args.gpus or visible
-    check_resnet(args, world=1, workers=4 * gpus)  # AIME's 4 workers per GPU
+    # AIME's 4 loader workers per GPU decode images; in-memory synthetic ones need none
+    check_resnet(args, world=1, workers=4 * gpus if args.data else 0)
     print0(f"DataParallel over {gpus} GPU(s), global batch {args.batch_size}"
            if gpus and not args.no_wrap else "--no-wrap: the plain model on cuda:0" if gpus else
            f"{'--cpu' if args.cpu else 'no GPU visible'}: the plain model on CPU (DataParallel "
@@ -419,7 +424,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--arch", default="resnet50", help="any torchvision classification model")
     p.add_argument("--num-classes", type=int, help="default: --data's classes, or 1000")
     p.add_argument("--synthetic-size", type=int, default=12800, help="synthetic images an epoch")
-    p.add_argument("--workers", type=int, help="loader processes; default: 4 per GPU")
+    p.add_argument("--workers", type=int, help="loader processes; default: 4 per GPU with --data")
     p.add_argument("--amp", action="store_true", help="bf16 autocast (meant for GPUs)")
     p.add_argument("--channels-last", action="store_true", help="NHWC memory format")
     p.add_argument("--ckpt-dir", default="model_checkpoints", help="where epoch_N.pt goes")

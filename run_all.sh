@@ -51,6 +51,10 @@ if ! info=$("$PY" -c 'import torch, torchvision as tv; print(torch.cuda.device_c
   exit 1
 fi
 read -r gpus torch_version torchvision_version <<<"$info"
+if [ "$gpus" -eq 0 ] && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
+  echo "run_all: nvidia-smi lists GPUs, torch $torch_version sees none (CUDA_VISIBLE_DEVICES hides" \
+       "them, a CPU-only torch, or a torch built for a newer driver: see README, Install); on CPU" >&2
+fi
 if [ "$gpus" -gt 0 ]; then
   nprocs=$gpus; place=(); backend=nccl
 else
@@ -74,7 +78,7 @@ timed() {
 if [ "$mode" = bench ]; then
   if [ "$gpus" -gt 0 ]; then
     batch=${bench_batch:-256} steps=60 warmup=10 every=10 counts=$(seq 1 "$gpus") precisions="default amp"
-    setup=(--arch resnet50 --image-size 224 --workers 4)  # 4 loader workers per process feed in-memory images
+    setup=(--arch resnet50 --image-size 224 --workers 0)  # in-memory images: workers would only copy them
   else
     batch=${bench_batch:-8} steps=8 warmup=2 every=2 counts="1 2" precisions=default
     setup=(--cpu --arch resnet18 --image-size 32 --workers 0)

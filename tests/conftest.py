@@ -15,6 +15,9 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 DEBIAN_FMNIST = Path("/usr/share/datasets/fashion-mnist")
 MARK = "DDP_COLLECTION_TEST_RUN"  # every process of a run inherits it: how leftovers are found
+# Hermetic on a GPU machine too: the tests are written for CPU runs (a test that wants a GPU
+# would pass its own CUDA_VISIBLE_DEVICES), and every run inherits this.
+os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
 
 def start(args: list, cwd=None, env=None, preexec_fn=None) -> subprocess.Popen:

@@ -1,6 +1,7 @@
 """When things go wrong: busy ports, dead and hung ranks, debug mode. CPU, gloo, loopback only."""
 import math
 import os
+import resource
 import signal
 import socket
 import time
@@ -98,19 +99,26 @@ def test_busy_master_port_is_one_clear_error():
         f"error: MASTER_PORT={port} cannot be used here (Address already in use); unset it and a free port is picked"]
 
 
-@pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
-def test_killed_rank_ends_the_job_within_seconds(launcher):
+@pytest.mark.parametrize("launcher,sig", [("spawn", "SIGKILL"), ("torchrun", "SIGKILL"), ("spawn", "SIGABRT")])
+def test_killed_rank_ends_the_job_within_seconds(launcher, sig):
+    """SIGABRT is how NCCL's watchdog ends the ranks that waited past --timeout: the message must
+    not blame that rank for the hang."""
     flags = [*FM, "--epochs", 100]
     proc = start(python("ddp_fashionmnist.py", "--nprocs", 2, *flags) if launcher == "spawn"
-                 else torchrun("ddp_fashionmnist.py", 2, *flags))
+                 else torchrun("ddp_fashionmnist.py", 2, *flags),
+                 preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, 0)))  # no core file
     victim = wait_for_ranks(proc, 2, launcher == "torchrun")[1]
     time.sleep(3)  # into training
-    os.kill(victim, signal.SIGKILL)
+    os.kill(victim, getattr(signal, sig))
     killed = time.monotonic()
     res = finish(proc, timeout=60, check=False)  # also fails if any process is left
     assert res.returncode != 0
     assert time.monotonic() - killed < 15
-    if launcher == "spawn":
+    if sig == "SIGABRT":
+        assert res.stderr.strip().splitlines()[-1:] == ["error: rank 1 was aborted (SIGABRT), as NCCL aborts the ranks "
+                                                       "that wait in a collective past --timeout: another rank may "
+                                                       "have hung or died"]
+    elif launcher == "spawn":
         assert "error: rank 1 was killed by SIGKILL" in res.stderr
 
 

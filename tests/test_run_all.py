@@ -1,4 +1,5 @@
 """run_all.sh: runs every script, prints one summary table, fails when a run fails."""
+import os
 import shutil
 
 from conftest import DEBIAN_FMNIST, ROOT, run
@@ -29,9 +30,14 @@ def test_run_all_keeps_going_and_fails_when_a_run_fails(tmp_path):
         "import json, sys\nout = sys.argv[sys.argv.index('--metrics-out') + 1]\n"
         "json.dump({'world_size': 2, 'gathered': [{'dict': {'rank': 0}}, {'dict': {'rank': 1}}]}, open(out, 'w'))\n")
     (tmp_path / "ddp_fashionmnist.py").write_text("import sys\nsys.exit('boom')\n")
+    # and an nvidia-smi that lists a GPU torch cannot see (as a torch built for a newer driver)
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "nvidia-smi").write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)'\n")
+    (tmp_path / "bin" / "nvidia-smi").chmod(0o755)
     res = run(["bash", str(tmp_path / "run_all.sh")], timeout=300, cwd=tmp_path, check=False,
-              env={"RUNS_DIR": str(tmp_path / "runs")})
+              env={"RUNS_DIR": str(tmp_path / "runs"), "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"})
     assert res.returncode == 1
+    assert res.stderr.startswith("run_all: nvidia-smi lists GPUs, torch ") and "; on CPU\n" in res.stderr
     rows = table_rows(res.stdout)
     assert len(rows) == 3  # gather twice, fashionmnist once; the ResNets are absent here
     assert "FAILED (exit 1)" in next(r for r in rows if "ddp_fashionmnist.py" in r)
