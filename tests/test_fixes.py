@@ -9,9 +9,8 @@ import threading
 import time
 
 import pytest
-import torch
 
-from conftest import DEBIAN_FMNIST, RESNET, metrics, python, run, torchrun
+from conftest import DEBIAN_FMNIST, RESNET, ROOT, metrics, python, run, torchrun
 
 FM = ["--cpu", "--synthetic", "--epochs", 2, "--max-steps", 3, "--timeout", 60]
 
@@ -111,3 +110,19 @@ def test_a_clean_run_prints_nothing_on_stderr(script, flags, tmp_path):
     ckpt = ["--ckpt-dir", tmp_path / "ckpt"] if "resnet" in script else []
     res = run(python(script, *flags, *ckpt), timeout=180)
     assert res.stderr == ""
+
+
+def repeated(script: str) -> str:
+    """ddp_setup and cleanup, and the plumbing block from its marker to the end of check_args."""
+    text = (ROOT / script).read_text()
+    setup = text[text.index("def ddp_setup"):text.index("\n\n\n", text.index("def cleanup"))]
+    return setup + text[text.index("# --- plumbing"):text.index("\n\n\n", text.index("def check_args"))]
+
+
+def test_the_repeated_code_is_the_same_in_every_ddp_script():
+    """Each file runs alone, so ddp_setup, cleanup and the launch block are copies. The runs above
+    exercise a fix there (the free port, the backend, the thread split) through one or two of
+    the scripts; this keeps the third from missing it."""
+    copies = {script: repeated(script) for script in ("ddp_gather.py", "ddp_fashionmnist.py", "ddp_resnet.py")}
+    assert "def free_port" in copies["ddp_gather.py"] and "def ddp_setup" in copies["ddp_gather.py"]
+    assert len(set(copies.values())) == 1, "the copies differ"
