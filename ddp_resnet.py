@@ -272,6 +272,7 @@ def run_training_process_on_given_gpu(local_rank: int, args: argparse.Namespace)
             val = evaluate(model, val_loader, device, args)
             checkpoint = Path(args.ckpt_dir) / f"epoch_{args.resumed_from}.pt"
         report(args, device, progress, final_loss, checkpoint, val)
+        del model  # before its process group goes: torch 2.11 (gloo) can hang at exit otherwise
     finally:
         cleanup()
 
