@@ -78,6 +78,20 @@ def finish(proc: subprocess.Popen, timeout: float, check: bool = True, linger: f
     return result
 
 
+def finish_all(procs: list, timeout: float, check: bool = True) -> list:
+    """finish() each of several commands (two nodes, say); when one fails, the others are
+    killed before the test fails, so none of them outlives it."""
+    done = []
+    try:
+        for proc in procs:
+            done.append(finish(proc, timeout, check))
+    except BaseException:
+        for proc in procs[len(done):]:
+            kill_all(proc)
+        raise
+    return done
+
+
 def run(args: list, timeout: float, cwd=None, env=None, check=True, preexec_fn=None):
     return finish(start(args, cwd, env, preexec_fn), timeout, check)
 

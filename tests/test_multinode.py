@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import ONE_THREAD, RESNET, ROOT, finish, metrics, same_weights, start
+from conftest import ONE_THREAD, RESNET, ROOT, finish, finish_all, metrics, same_weights, start
 
 
 def free_port() -> int:
@@ -27,7 +27,7 @@ def two_nodes(nproc: int, script: str, flags0: list, flags1: list, check=True) -
     port = free_port()
     procs = [start(node(rank, port, nproc, script, *flags), env=ONE_THREAD)
              for rank, flags in enumerate((flags0, flags1))]
-    return [finish(p, timeout=240, check=check) for p in procs]
+    return finish_all(procs, timeout=240, check=check)
 
 
 def test_gather_across_two_nodes(tmp_path):
@@ -95,8 +95,7 @@ def test_two_network_namespaces_as_two_hosts(two_hosts, uninterrupted, tmp_path)
                    *(["--metrics-out", out] if rank == 0 else []))
         cmd[cmd.index("--master-addr=127.0.0.1")] = "--master-addr=10.213.0.1"
         procs.append(start(["ip", "netns", "exec", ns, "env", f"GLOO_SOCKET_IFNAME=v{ns}", *cmd], env=ONE_THREAD))
-    for p in procs:
-        finish(p, timeout=240)
+    finish_all(procs, timeout=240)
     assert metrics(out)["world_size"] == 2
     same_weights(uninterrupted[0] / "epoch_2.pt", ckpt / "epoch_2.pt")
 
