@@ -222,8 +222,8 @@ def check_args(args: argparse.Namespace, positive: tuple) -> None:
         if value is not None and value <= 0:
             sys.exit(f"error: --{name.replace('_', '-')} must be positive, got {value}")
     gpus = 0 if args.cpu else torch.cuda.device_count()
-    torchrun = "LOCAL_WORLD_SIZE" in os.environ  # then --nprocs is unused
-    procs = int(os.environ["LOCAL_WORLD_SIZE"]) if torchrun else args.nprocs  # on this machine
+    torchrun = "RANK" in os.environ  # as in launch(): then --nprocs is unused
+    procs = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if torchrun else args.nprocs  # here
     if gpus and procs > gpus:
         flag = "torchrun --nproc-per-node" if torchrun else "--nprocs"
         sys.exit(f"error: {flag} {procs}, but {gpus} GPU(s); use at most that, or --cpu")

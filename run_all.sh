@@ -53,7 +53,7 @@ fi
 read -r gpus torch_version torchvision_version <<<"$info"
 if [ "$gpus" -eq 0 ] && nvidia-smi -L 2>/dev/null | grep -q '^GPU'; then
   echo "run_all: nvidia-smi lists GPUs, torch $torch_version sees none (CUDA_VISIBLE_DEVICES hides" \
-       "them, a CPU-only torch, or a torch built for a newer driver: see README, Install); on CPU" >&2
+       "them, a CPU-only torch, or a torch built for a newer driver: see the README); on CPU" >&2
 fi
 if [ "$gpus" -gt 0 ]; then
   nprocs=$gpus; place=(); backend=nccl
