@@ -20,16 +20,11 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 
 def ddp_setup(local_rank: int, args: argparse.Namespace) -> torch.device:
-    """Join the group torchrun set up, or the one the spawned ranks form (launch() below)."""
-    if "RANK" not in os.environ:  # spawned: one machine, so the rank is the local rank
-        n, rank = str(args.nprocs), str(local_rank)
-        os.environ.update(RANK=rank, LOCAL_RANK=rank, WORLD_SIZE=n, LOCAL_WORLD_SIZE=n)
+    os.environ.setdefault("RANK", str(local_rank))  # spawned by launch(): rank = local rank
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)  # before any collective, or every rank uses cuda:0
-    elif "OMP_NUM_THREADS" not in os.environ:  # the ranks share the cores (torchrun sets it)
-        torch.set_num_threads(max(1, os.cpu_count() // int(os.environ["LOCAL_WORLD_SIZE"])))
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stop ends a save as Ctrl-C does
     # fixed: NCCL needs a GPU per process, gloo runs anywhere; a finite timeout ends a hung job
     backend, timeout = ("nccl" if cuda else "gloo"), timedelta(seconds=args.timeout)
@@ -61,23 +56,25 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
 
 # --- launching and checks (the same in every DDP script of this collection) ---
 def launch(main, args: argparse.Namespace) -> None:  # torchrun: we are one rank; else spawn
-    if "RANK" in os.environ:  # torchrun set RANK, LOCAL_RANK, WORLD_SIZE and MASTER_*
-        return record(main)(int(os.environ["LOCAL_RANK"]), args)  # in torchrun's summary
-    if int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) > 1:
-        sys.exit("error: srun -n N starts N separate jobs; run torchrun once per node (README)")
-    if 0 < torch.cuda.device_count() < args.nprocs and not args.cpu:
-        sys.exit(f"error: --nprocs {args.nprocs}, but fewer GPUs here; use fewer, or --cpu")
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     try:
+        if "RANK" in os.environ:  # torchrun set RANK, LOCAL_RANK, WORLD_SIZE and MASTER_*
+            return record(main)(int(os.environ["LOCAL_RANK"]), args)  # in torchrun's summary
+        if int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) > 1:  # srun -n 2 python script.py
+            sys.exit("error: srun -n N starts N separate jobs; run torchrun once per node (README)")
+        if 0 < torch.cuda.device_count() < args.nprocs and not args.cpu:
+            sys.exit(f"error: --nprocs {args.nprocs}, but fewer GPUs here; use fewer, or --cpu")
+        os.environ["WORLD_SIZE"] = str(args.nprocs)  # the ranks inherit the environment
+        os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() // args.nprocs or 1))  # cores
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         with socket.socket() as s:  # port 0: the OS picks a free one (a fixed 12355 collides)
             s.bind((os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", 0))))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         mp.spawn(main, (args,), nprocs=args.nprocs)  # one rank fails: SIGTERM to the others
-    except OSError as e:  # the MASTER_PORT you set is taken
-        sys.exit(f"error: cannot listen on MASTER_ADDR:MASTER_PORT ({e})")
     except mp.ProcessException as e:  # a rank failed: it said why (exit code > 0), else we do
         sys.exit(e.exit_code if getattr(e, "exit_code", 0) > 0 else f"error: {e}")
-    except KeyboardInterrupt:  # Ctrl-C reached the ranks too: each one stops cleanly
+    except OSError as e:  # the MASTER_PORT you set is taken (torchrun: this rank's error)
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:  # Ctrl-C, or a stop (SIGTERM): every rank got it too
         sys.exit(130)
 
 
