@@ -233,8 +233,8 @@ def check_args(args: argparse.Namespace) -> None:
             ckpt = torch.load(file, map_location="cpu", weights_only=True)["model_state_dict"]
             build_model(args, num_classes).load_state_dict(ckpt)
     except Exception as e:
-        why = " ".join(str(e).split())[:300]  # torch's words, on one line
-        sys.exit(f"error: cannot resume from {file or args.ckpt_dir}: {why}")
+        why = " ".join(str(e).split("WeightsUnpickler error:")[-1].split())  # on one line
+        sys.exit(f"error: cannot resume from {file or args.ckpt_dir}: {why[:300]}")
     args.start_epoch = int(file.stem[6:]) + 1 if file else 1
     args.memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
 

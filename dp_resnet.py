@@ -4,8 +4,7 @@ visible GPU, a checkpoint each epoch reloaded at the start of the next. ddp_resn
     python dp_resnet.py                         # all visible GPUs, resnet50, synthetic images
     CUDA_VISIBLE_DEVICES=0,1 python dp_resnet.py --data /path/to/train --resume
     python dp_resnet.py --cpu --arch resnet18 --image-size 64 --epochs 2 --max-steps 10
-Prints a start line, `epoch 1/2 | step 10/10 | loss 7.0836 | 115 img/s` lines, a line per epoch
-and `done | epochs_run 2 | checkpoint model_checkpoints/epoch_2.pt`."""
+It prints `start | ...`, `epoch 1/2 | step 10/10 | loss 7.0836 | 115 img/s`, epoch, done lines."""
 
 import argparse
 import io
@@ -56,6 +55,7 @@ def save_model(epoch: int, net: torch.nn.Module, optimizer, args) -> str:
     tmp, buffer = file.with_name(file.name + ".tmp"), io.BytesIO()
     torch.save({**ckpt, "optimizer_state_dict": optimizer.state_dict()}, buffer)  # in memory
     try:  # written by us: a full disk is an OSError that says so
+        file.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
             f.write(buffer.getbuffer())
             os.fsync(f.fileno())  # on disk before the rename publishes it
@@ -68,14 +68,14 @@ def save_model(epoch: int, net: torch.nn.Module, optimizer, args) -> str:
 
 
 def load_model(epoch: int, net: torch.nn.Module, optimizer, args) -> None:
-    """One process, so no barrier. The weights go to the device DataParallel copies them from."""
-    file = Path(args.ckpt_dir) / f"epoch_{epoch}.pt"
-    try:  # --resume's first load: a damaged checkpoint, or another model's
+    file = Path(args.ckpt_dir) / f"epoch_{epoch}.pt"  # one process: no barrier needed
+    try:  # onto GPU 0, where DataParallel copies from; --resume's may be damaged or foreign
         ckpt = torch.load(file, map_location=next(net.parameters()).device, weights_only=True)
         net.load_state_dict(ckpt["model_state_dict"])
         optimizer.load_state_dict(ckpt["optimizer_state_dict"])
     except Exception as e:
-        sys.exit(f"error: cannot resume from {file}: {' '.join(str(e).split())[:300]}")
+        why = " ".join(str(e).split("WeightsUnpickler error:")[-1].split())  # on one line
+        sys.exit(f"error: cannot resume from {file}: {why[:300]}")
 
 
 def run_training(gpus: int, train_set, num_classes: int, args: argparse.Namespace) -> None:
@@ -98,7 +98,7 @@ def run_training(gpus: int, train_set, num_classes: int, args: argparse.Namespac
         if epoch > 1:
             load_model(epoch - 1, net, optimizer, args)
         generator.manual_seed(args.seed + epoch)  # a new order each epoch, see above
-        total, began = torch.zeros((), device=device), time.monotonic()
+        total, began, shown = torch.zeros((), device=device), time.monotonic(), time.monotonic()
         for step, (images, labels) in zip(range(1, steps + 1), dataloader, strict=False):
             images = images.to(device, non_blocking=True, memory_format=args.memory_format)
             with torch.autocast(device.type, torch.bfloat16, enabled=args.amp):  # no GradScaler
@@ -107,8 +107,9 @@ def run_training(gpus: int, train_set, num_classes: int, args: argparse.Namespac
             loss.backward()
             optimizer.step()
             total += loss.detach().float()
-            if step % 10 == 0 or step == steps:  # .item() waits for the device, so the rate holds
+            if step % 10 == 0 or step == steps or time.monotonic() - shown > 30:  # never quiet
                 head = f"epoch {epoch}/{args.epochs} | step {step}/{steps} | loss {loss.item():.4f}"
+                shown = time.monotonic()  # after .item(), which waits for the device
                 print(f"{head} | {step * args.batch_size / (time.monotonic() - began):.0f} img/s")
         m.update(final_loss=total.item() / steps, epochs_run=epoch + 1 - args.start_epoch)
         m.update(images_per_sec=steps * args.batch_size / (time.monotonic() - began))
@@ -131,10 +132,6 @@ def check_args(args: argparse.Namespace) -> int:
     file = max(saved, key=lambda f: int(f.stem[6:]), default=None)  # the newest
     if file and not args.resume:  # another run's: a later --resume would go on from it
         sys.exit(f"error: {file} exists: add --resume to go on from it, or use another --ckpt-dir")
-    try:
-        Path(args.ckpt_dir).mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # a file in its place
-        sys.exit(f"error: --ckpt-dir {args.ckpt_dir}: {e.strerror}")
     args.start_epoch = int(file.stem[6:]) + 1 if file else 1
     args.memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     return gpus
@@ -173,6 +170,8 @@ if __name__ == "__main__":
         train_set, num_classes = load_datasets(args)
     except OSError as e:
         sys.exit(f"error: {e}")
+    if len(train_set) < args.batch_size:  # drop_last would leave no step at all
+        sys.exit(f"error: {len(train_set)} images, too few for --batch-size {args.batch_size}")
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stop ends a save as Ctrl-C does
     try:
         run_training(gpus, train_set, num_classes, args)

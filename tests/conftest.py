@@ -134,17 +134,17 @@ def metrics(path) -> dict:
 
 # resnet18 on 32 px synthetic images, 2 steps an epoch: the small DDP run most tests share
 RESNET = ["--cpu", "--arch", "resnet18", "--image-size", 32, "--batch-size", 4, "--max-steps", 2,
-          "--synthetic-size", 32, "--num-classes", 10, "--timeout", 60]
+          "--timeout", 60]
+DP = RESNET[1:-2]  # dp_resnet.py: one process, no --timeout
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # the same kernels in every run: bitwise-comparable weights
 
 
 @pytest.fixture(scope="session")
 def uninterrupted(tmp_path_factory):
-    """One 4-epoch spawned DDP run (--resume on an empty folder: it starts fresh): what other
-    launches, resumes and nodes must reproduce."""
+    """One 3-epoch spawned DDP run: what other launches, resumes and nodes must reproduce."""
     folder = tmp_path_factory.mktemp("uninterrupted")
-    result = run(python("ddp_resnet.py", *RESNET, "--nprocs", 2, "--epochs", 4, "--ckpt-dir", folder,
-                        "--resume", "--metrics-out", folder / "metrics.json"), timeout=180, env=ONE_THREAD)
+    result = run(python("ddp_resnet.py", *RESNET, "--nprocs", 2, "--epochs", 3, "--log-every", 1, "--ckpt-dir", folder,
+                        "--metrics-out", folder / "metrics.json"), timeout=180, env=ONE_THREAD)
     return folder, result.stdout
 
 
@@ -157,3 +157,10 @@ def same_weights(a, b) -> None:
         assert torch.equal(t, b["model_state_dict"][k]), f"{k} differs"
     for i, s in a["optimizer_state_dict"]["state"].items():
         assert torch.equal(s["momentum_buffer"], b["optimizer_state_dict"]["state"][i]["momentum_buffer"])
+
+
+def last_line(stderr: str) -> str:
+    """The one line a refused run prints (argparse puts its usage before it)."""
+    lines = stderr.strip().splitlines()
+    assert lines and "Traceback" not in stderr, stderr
+    return lines[-1]

@@ -1,6 +1,7 @@
 """run_all.sh --bench: the DataParallel vs DDP images/s table, in its tiny CPU version (gloo,
-resnet18 at 32 px, 1 and 2 processes, both precisions), and its handling of failed runs."""
-import json
+resnet18 at 32 px, DDP on 1 and 2 processes, dp_resnet.py --cpu the baseline), measured from
+the progress lines without the warm-up, and its handling of failed runs."""
+
 import math
 import re
 import shutil
@@ -11,25 +12,29 @@ import torchvision
 
 from conftest import ROOT, run
 
-HEADER = "| GPUs | mode | precision | images/s | scaling vs 1 GPU | DDP / DP | peak mem/GPU (GiB) |"
-COLUMNS = ["gpus", "mode", "precision", "ips", "scaling", "vs_dp", "mem"]
-PRECISIONS = {"default": "default", "amp + channels-last": "amp"}  # table label -> file tag
-CPU_ROWS = {(n, mode, "default") for n, mode in [(1, "plain"), (1, "ddp"), (2, "ddp")]}  # no bf16 on CPU
+COLUMNS = ["n", "mode", "precision", "ips", "scaling", "vs_dp"]
+HEADER = "| processes | mode | precision | images/s | scaling vs 1 | DDP/DP |"
+PROGRESS = r"^epoch (\d+)/\d+ \| step (\d+)/\d+ \| loss \S+ \| (\d+) img/s(?: \| ([\d.]+) s)?$"
 
 
-def bench_table(text: str) -> list:
-    """The rows of the one Markdown table under HEADER, as dicts of stripped cells."""
+def bench(folder, timeout: float, *flags, cwd=ROOT, check=True):
+    env = {"RUNS_DIR": str(folder), "PYTHON": sys.executable, "RUN_TIMEOUT": "120"}
+    cmd = ["bash", str(cwd / "run_all.sh"), "--bench", *flags]
+    return run(cmd, timeout=timeout, cwd=cwd, check=check, env=env)
+
+
+def bench_table(text: str) -> dict:
+    """The rows of the one Markdown table under HEADER by (n, mode), as dicts of cells."""
     lines = text.splitlines()
     assert lines.count(HEADER) == 1, text
-    start = lines.index(HEADER)
-    assert re.fullmatch(r"\|( -{3,}:? \|){7}", lines[start + 1]), lines[start + 1]
-    rows = []
-    for line in lines[start + 2:]:
+    first = lines.index(HEADER)
+    assert lines[first + 1] == "| ---: | --- | --- | ---: | ---: | ---: |"
+    rows = {}
+    for line in lines[first + 2 :]:
         if not line.startswith("|"):
             break
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        assert len(cells) == len(COLUMNS), line
-        rows.append(dict(zip(COLUMNS, cells)))
+        rows[int(cells[0]), cells[1]] = dict(zip(COLUMNS, cells, strict=True))
     return rows
 
 
@@ -39,71 +44,93 @@ def positive(cell: str) -> float:
     return value
 
 
-def bench(folder, timeout: float, check=True, cwd=None):
-    return run(["bash", str((cwd or ROOT) / "run_all.sh"), "--bench"], timeout=timeout, cwd=cwd, check=check,
-               env={"RUNS_DIR": str(folder), "PYTHON": sys.executable, "RUN_TIMEOUT": "120"})
+def measured(log: str, batch: int) -> float:
+    """images/s from a run's progress lines, as the docs say: between its first and last line
+    (one epoch here), each line's time since the epoch began from its R images/s at step S,
+    kept within the rounding of ddp's "X.X s"."""
+    points = []
+    for epoch, step, rate, seconds in re.findall(PROGRESS, log, re.M):
+        assert epoch == "1"
+        t = int(step) * batch / int(rate)
+        if seconds:
+            t = min(max(t, float(seconds) - 0.05), float(seconds) + 0.05)
+        points.append((int(step) * batch, t))
+    assert [p[0] // batch for p in points] == [10, 20], log  # after 10 warm-up steps, the last
+    (i1, t1), (i2, t2) = points
+    return (i2 - i1) / (t2 - t1)
 
 
-def test_bench_on_cpu_prints_a_measured_table(tmp_path):
-    res = bench(tmp_path, timeout=240)  # about 50 s on 2 idle cores
-    assert res.returncode == 0
-    out = res.stdout
-    assert re.search(rf"^bench \| CPU: .+, \d+ cores, no GPU, \d+ thread\(s\) per process \| "
-                     rf"torch {re.escape(torch.__version__)} \| "
-                     rf"torchvision {re.escape(torchvision.__version__)} \| .*--arch resnet18", out, re.M), out
-    rows = bench_table(out)
-    measured = {}
-    for row in rows:
-        m = re.fullmatch(r"([12]) \(CPU\)", row["gpus"])
-        assert m, row  # CPU figures are labelled as such
-        n, mode, prec = int(m[1]), row["mode"], row["precision"]
-        # every figure is a positive number, and the one its run measured and wrote
-        positive(row["ips"])
-        metrics = json.loads((tmp_path / f"bench_{mode}_x{n}_{PRECISIONS[prec]}.json").read_text())
-        assert row["ips"] == f"{metrics['images_per_sec']:.1f}"
-        measured[n, mode, prec] = metrics["images_per_sec"]
-        assert metrics["device"] == "cpu" and metrics["world_size"] == n and metrics["steps"] == 8
-        if mode == "plain":
-            assert metrics["script"] == "dp_resnet.py" and metrics["wrapper"] is None
-        else:
-            assert metrics["script"] == "ddp_resnet.py" and metrics["backend"] == "gloo"
-        # no DataParallel on CPU, so no DDP / DP ratio; no GPU memory
-        assert row["vs_dp"] == ("n/a" if mode == "ddp" else "-") and row["mem"] == "-"
-    assert len(rows) == len(CPU_ROWS) and set(measured) == CPU_ROWS
-    for row, (n, mode, prec) in zip(rows, measured):  # scaling: images/s / (N x the same at N = 1)
-        assert positive(row["scaling"]) == round(measured[n, mode, prec] / (n * measured[1, mode, prec]), 2)
-    assert "scaling vs 1 GPU = images/s / (N x images/s of the same mode and precision at N = 1)" in out
-    assert re.search(r"^CPU: .*compare with no GPU figure.*says nothing about GPUs", out, re.M)
-    assert re.search(r"DDP on 1 process / plain: default \d+\.\d\d\.", out)
+def test_bench_on_cpu_prints_a_table_of_measured_figures(tmp_path):
+    res = bench(tmp_path, 240)  # about 40 s on 2 cores
+    versions = f"torch {torch.__version__} | torchvision {torchvision.__version__}"
+    head = r"bench \| CPU: .+, \d+ cores \| resnet18, 32 px, batch 8 per process of \d+ thread"
+    assert re.search(rf"^{head}.* \| {re.escape(versions)}$", res.stdout, re.M), res.stdout
+    rows = bench_table(res.stdout)
+    assert list(rows) == [(1, "ddp"), (1, "dp"), (2, "ddp")]
+    ips = {}
+    for (n, mode), row in rows.items():
+        assert row["precision"] == "fp32"  # no bf16 on CPU
+        log = (tmp_path / f"{mode}_resnet_{n}_fp32.log").read_text()
+        ips[n, mode] = positive(row["ips"])
+        assert row["ips"] == f"{measured(log, 8 * n):.1f}"
+    assert rows[1, "dp"]["scaling"] == rows[1, "ddp"]["scaling"] == "1.00"
+    assert rows[2, "ddp"]["scaling"] == f"{ips[2, 'ddp'] / 2 / ips[1, 'ddp']:.2f}"
+    assert rows[1, "ddp"]["vs_dp"] == f"{ips[1, 'ddp'] / ips[1, 'dp']:.2f}"
+    assert rows[1, "dp"]["vs_dp"] == rows[2, "ddp"]["vs_dp"] == "-"  # no DataParallel on 2
     saved = (tmp_path / "bench.md").read_text()
-    assert bench_table(saved) == rows and saved.startswith("bench | CPU: ")
-    assert not list(tmp_path.rglob("*.pt")) and not list(tmp_path.glob("bench_ckpt.*"))  # checkpoints removed
-    assert out.rstrip().endswith(f"bench table saved to {tmp_path / 'bench.md'}")
+    assert saved.startswith("bench | CPU: ") and bench_table(saved) == rows
+    assert not list(tmp_path.rglob("*.pt"))  # the checkpoints are gone
+    assert res.stdout.rstrip().endswith("run_all: all 3 runs passed")
+
+
+STANDIN = """import sys
+from pathlib import Path
+args = sys.argv[1:]
+with open(__file__ + ".args", "a") as f:
+    print(*args, file=f)
+ckpt = Path(args[args.index("--ckpt-dir") + 1])
+assert not list(ckpt.glob("epoch_*.pt")), "a used checkpoint folder"
+ckpt.mkdir(parents=True, exist_ok=True)
+(ckpt / "epoch_1.pt").touch()
+"""
 
 
 def test_bench_shows_failed_runs_and_exits_non_zero(tmp_path):
     shutil.copy(ROOT / "run_all.sh", tmp_path)
-    # plain: a stand-in that reports a figure at once; ddp: 1 process measures nothing, 2 crash
-    write = "json.dump({out}, open(sys.argv[sys.argv.index('--metrics-out') + 1], 'w'))"
+    # dp: two lines of one epoch, R images/s each at batch 4: 40 images from 0.4 s to 1.0 s
     (tmp_path / "dp_resnet.py").write_text(
-        "import json, sys\n" + write.format(out={"images_per_sec": 12.5, "max_memory_gib": None}) + "\n")
+        STANDIN + "print('epoch 1/1 | step 10/20 | loss 1.0 | 100 img/s')\n"
+        "print('epoch 1/1 | step 20/20 | loss 1.0 | 80 img/s')\n"
+    )
+    # ddp: 2 processes crash; 1 process: the 2nd epoch counts from its start, and the time from
+    # R (40 / 30 = 1.33 s) stays within the rounding of "X.X s" (1.45 s): 40 / 1.45 images/s
     (tmp_path / "ddp_resnet.py").write_text(
-        "import json, sys\nif sys.argv[sys.argv.index('--nprocs') + 1] == '2':\n    sys.exit('boom')\n"
-        + write.format(out={"images_per_sec": None}) + "\n")
-    res = bench(tmp_path / "runs", timeout=120, check=False, cwd=tmp_path)
+        STANDIN + "if args[args.index('--nprocs') + 1] == '2':\n    sys.exit('boom')\n"
+        "print('epoch 1/2 | step 10/10 | loss 2.0 | 9 img/s | 4.4 s')\n"
+        "print('epoch 2/2 | step 5/10 | loss 1.0 | 20 img/s | 1.0 s')\n"
+        "print('epoch 2/2 | step 10/10 | loss 1.0 | 30 img/s | 1.5 s')\n"
+    )
+    res = bench(tmp_path / "runs", 60, "--bench-batch", "4", cwd=tmp_path, check=False)
     assert res.returncode == 1, res.stdout + res.stderr
-    rows = {(r["gpus"], r["mode"], PRECISIONS[r["precision"]]): r for r in bench_table(res.stdout)}
-    assert len(rows) == 3
-    for prec in ["default"]:
-        assert rows["1 (CPU)", "plain", prec]["ips"] == "12.5"
-        assert rows["1 (CPU)", "ddp", prec]["ips"] == "FAILED (no images/s in its metrics)"
-        assert rows["2 (CPU)", "ddp", prec]["ips"] == "FAILED (exit 1)"
-        assert rows["2 (CPU)", "ddp", prec]["scaling"] == "-"
+    rows = bench_table(res.stdout)
+    assert rows[1, "dp"] == dict(
+        n="1", mode="dp", precision="fp32", ips="66.7", scaling="1.00", vs_dp="-"
+    )
+    assert (rows[1, "ddp"]["ips"], rows[1, "ddp"]["vs_dp"]) == ("27.6", "0.41")
+    assert rows[2, "ddp"]["ips"] == "FAILED (exit 1)" and rows[2, "ddp"]["scaling"] == "-"
     assert "boom" in res.stdout  # the failed run's last lines
-    assert "2 run(s) FAILED" in res.stdout
-    assert (tmp_path / "runs" / "bench.md").is_file()
+    assert res.stdout.rstrip().endswith("run_all: 1 of 3 runs FAILED")
+    assert bench_table((tmp_path / "runs" / "bench.md").read_text()) == rows
+    # what each run got: the batch, CPU, no workers, the same precision; a fresh folder each
+    dp_args = (tmp_path / "dp_resnet.py.args").read_text()
+    assert dp_args.startswith("--batch-size 4 --cpu --arch resnet18 --image-size 32 --workers 0")
+    ddp_args = (tmp_path / "ddp_resnet.py.args").read_text().splitlines()
+    assert [a.split()[:4] for a in ddp_args] == [["--nprocs", n, "--batch-size", "4"] for n in "12"]
 
 
-def test_help_mentions_bench():
+def test_help_names_the_modes():
     res = run(["bash", str(ROOT / "run_all.sh"), "--help"], timeout=30)
-    assert "--bench" in res.stdout and "--bench-batch" in res.stdout
+    assert res.stdout.startswith("Run every script of the collection once")
+    assert all(flag in res.stdout for flag in ("--full", "--bench", "--bench-batch", "RUNS_DIR"))
+    res = run(["bash", str(ROOT / "run_all.sh"), "--bench-batch", "0"], timeout=30, check=False)
+    assert res.returncode == 2 and res.stderr.count("\n") == 1
