@@ -155,7 +155,7 @@ def run_training_process_on_given_gpu(local_rank: int, args: argparse.Namespace)
         steps = min(len(dataloader), args.max_steps or len(dataloader))
         m = dict(script="ddp_resnet.py", world_size=dist.get_world_size(), device=device.type)
         m.update(backend=dist.get_backend(), model=type(model.module).__name__)
-        epochs = f"epochs {start.item()}..{args.epochs}"  # --resume goes on after the newest
+        epochs = f"epochs {start.item()}-{args.epochs}"  # --resume goes on after the newest
         print0(line("start", m, *m), f"| {len(train_set)} images | {steps} steps x {epochs}")
         for epoch in range(start.item(), args.epochs + 1):  # fixed: range(1, 30) ran 29 epochs
             if epoch > 1:

@@ -24,7 +24,7 @@ from torchvision import datasets, models
 def load_datasets(args: argparse.Namespace) -> tuple:
     """The training set and its number of classes."""
     if not args.data:  # 12,800 random images, 256 distinct ones made once: no decoding
-        g, size = torch.Generator().manual_seed(args.seed), args.image_size
+        g, size = torch.Generator().manual_seed(0), args.image_size
         images = TensorDataset(torch.randn(256, 3, size, size, generator=g), torch.arange(256))
         return Subset(images, [i % 256 for i in range(12800)]), 256
     size, imagenet = args.image_size, ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
@@ -55,7 +55,6 @@ def save_model(epoch: int, net: torch.nn.Module, optimizer, args) -> str:
     tmp, buffer = file.with_name(file.name + ".tmp"), io.BytesIO()
     torch.save({**ckpt, "optimizer_state_dict": optimizer.state_dict()}, buffer)  # in memory
     try:  # written by us: a full disk is an OSError that says so
-        file.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
             f.write(buffer.getbuffer())
             os.fsync(f.fileno())  # on disk before the rename publishes it
@@ -84,20 +83,19 @@ def run_training(gpus: int, train_set, num_classes: int, args: argparse.Namespac
     kwargs = dict(num_workers=args.workers, pin_memory=gpus > 0, drop_last=True)
     generator, device = torch.Generator(), torch.device("cuda" if gpus else "cpu", 0)
     dataloader = DataLoader(train_set, args.batch_size, True, generator=generator, **kwargs)
-    torch.manual_seed(args.seed)
+    torch.manual_seed(0)
     model = net = build_model(args, num_classes).to(device, memory_format=args.memory_format)
     if gpus:  # the replicas start on GPU 0; see Bf16Autocast
         model = torch.nn.DataParallel(Bf16Autocast(net) if args.amp else net, list(range(gpus)))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
     steps, m = min(len(dataloader), args.max_steps or len(dataloader)), {"script": "dp_resnet.py"}
     m.update(world_size=max(gpus, 1), device=device.type, model=type(net).__name__)
-    where = f"DataParallel over {gpus} GPU(s)" if gpus else "CPU, no DataParallel"
-    epochs = f"epochs {args.start_epoch}..{args.epochs}"  # --resume goes on after the newest
-    print(f"start | {where} | {m['model']} | {len(train_set)} images | {steps} steps x {epochs}")
-    for epoch in range(args.start_epoch, args.epochs + 1):  # fixed: range(1, 30) ran 29 epochs
+    first = args.start_epoch  # 1, or with --resume the one after the newest checkpoint
+    print(f"start | {gpus} GPU(s) | {m['model']} | {steps} steps x epochs {first}-{args.epochs}")
+    for epoch in range(first, args.epochs + 1):  # fixed: range(1, 30) ran 29 epochs
         if epoch > 1:
             load_model(epoch - 1, net, optimizer, args)
-        generator.manual_seed(args.seed + epoch)  # a new order each epoch, see above
+        generator.manual_seed(epoch)  # a new order each epoch, see above
         total, began, shown = torch.zeros((), device=device), time.monotonic(), time.monotonic()
         for step, (images, labels) in zip(range(1, steps + 1), dataloader, strict=False):
             images = images.to(device, non_blocking=True, memory_format=args.memory_format)
@@ -132,6 +130,10 @@ def check_args(args: argparse.Namespace) -> int:
     file = max(saved, key=lambda f: int(f.stem[6:]), default=None)  # the newest
     if file and not args.resume:  # another run's: a later --resume would go on from it
         sys.exit(f"error: {file} exists: add --resume to go on from it, or use another --ckpt-dir")
+    try:
+        Path(args.ckpt_dir).mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a file in its place
+        sys.exit(f"error: --ckpt-dir {args.ckpt_dir}: {e.strerror}")
     args.start_epoch = int(file.stem[6:]) + 1 if file else 1
     args.memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     return gpus
@@ -144,7 +146,6 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--epochs", type=positive, default=30)
     p.add_argument("--batch-size", type=positive, default=64, help="global, split over the GPUs")
     p.add_argument("--lr", type=float, default=0.01, help="SGD, momentum 0.9, weight decay 1e-4")
-    p.add_argument("--seed", type=int, default=0, help="initial weights, order, synthetic data")
     p.add_argument("--max-steps", type=positive, help="end each epoch after N steps")
     p.add_argument("--data", help="an ImageFolder root; without it, synthetic images")
     p.add_argument("--image-size", type=positive, default=224)

@@ -43,7 +43,7 @@ stop() {  # Ctrl-C or TERM: stop the run in progress
   exit 130
 }
 trap stop INT TERM
-# run COL1 COL2 COL3 COL4 NOTE CMD...: one run for the table, under `timeout`: a process group
+# run COL1 COL2 COL3 COL4 NOTE CMD...: one run for the table, under `timeout` (a process group)
 run() {
   echo "--- $1 $2 $3: ${*:6}"
   local base=$RUNS/${1%.py}_$2_$3 start=$(date +%s.%N)
@@ -55,12 +55,11 @@ run() {
   kill -KILL -- -"$child" 2>/dev/null  # ranks that a killed launcher left behind
   child=
   [ "$status" -eq 0 ] || tail -n 5 "$base.log" | sed 's/^/    /'
-  printf '%s\t' "${@:1:5}" "$status" "$start" "$(date +%s.%N)" >>"$RUNS/runs.tsv"
-  echo "$base" >>"$RUNS/runs.tsv"
+  echo "$(printf '%s\t' "${@:1:5}" "$status" "$start" "$(date +%s.%N)")$base" >>"$RUNS/runs.tsv"
 }
 if [ "$mode" = bench ]; then  # images/s without the warm-up, from the progress lines
-  batch=${bench_batch:-256} counts=$(seq 1 "$gpus") precisions="fp32 amp+channels-last" every=5 unit=GPUs
-  setup=(--arch resnet50 --image-size 224 --workers 0 --epochs 2 --max-steps 50)
+  batch=${bench_batch:-256} counts=$(seq 1 "$gpus") precisions="fp32 amp+channels-last"
+  setup=(--arch resnet50 --image-size 224 --workers 0 --epochs 2 --max-steps 50) every=5 unit=GPUs
   about="$gpus x $gpu_names | resnet50, 224 px, synthetic, batch $batch per GPU, 2nd epoch's images/s"
   if [ "$gpus" -eq 0 ]; then
     export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(($(nproc) > 1 ? $(nproc) / 2 : 1))}  # as 2 devices
@@ -72,11 +71,11 @@ if [ "$mode" = bench ]; then  # images/s without the warm-up, from the progress 
   for prec in $precisions; do
     [ "$prec" = fp32 ] && flags=() || flags=(--amp --channels-last)
     for n in $counts; do
-      run ddp_resnet.py "$n" "$prec" - $((batch * n)) "$PY" ddp_resnet.py --nprocs "$n" --batch-size "$batch" \
-        --log-every "$every" "${flags[@]}" "${setup[@]}" --ckpt-dir "$RUNS/ckpt"
+      run ddp_resnet.py "$n" "$prec" - $((batch * n)) "$PY" ddp_resnet.py --nprocs "$n" \
+        --batch-size "$batch" --log-every "$every" "${flags[@]}" "${setup[@]}" --ckpt-dir "$RUNS/ckpt"
       [ "$gpus" -gt 0 ] || [ "$n" -eq 1 ] || continue  # on CPU: DataParallel's baseline, 1 process
-      run dp_resnet.py "$n" "$prec" - $((batch * n)) env CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((n - 1)))" "$PY" \
-        dp_resnet.py --batch-size $((batch * n)) "${flags[@]}" "${setup[@]}" --ckpt-dir "$RUNS/ckpt"
+      run dp_resnet.py "$n" "$prec" - $((batch * n)) env CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((n - 1)))" \
+        "$PY" dp_resnet.py --batch-size $((batch * n)) "${flags[@]}" "${setup[@]}" --ckpt-dir "$RUNS/ckpt"
     done
   done
   rm -rf "$RUNS/ckpt"
@@ -105,7 +104,8 @@ else
   run ddp_resnet.py spawn "$nprocs" $backend "" "$PY" ddp_resnet.py "${place[@]}" \
     --nprocs "$nprocs" --ckpt-dir "$RUNS/ckpt" "${resnet_flags[@]}" "${ddp_flags[@]}"
 fi
-exec "$PY" - "$mode" "$RUNS" "${unit:-}" "bench | ${about:-} | torch $torch_version | torchvision $tv_version" <<'EOF'
+exec "$PY" - "$mode" "$RUNS" "${unit:-}" \
+  "bench | ${about:-} | torch $torch_version | torchvision $tv_version" <<'EOF'
 import json, re, sys
 mode, runs_dir, unit, header = sys.argv[1:]
 # bench: from the first to the last progress line of the last epoch, where an epoch after the

@@ -121,7 +121,7 @@ def test_bench_shows_failed_runs_and_exits_non_zero(tmp_path):
     assert "boom" in res.stdout  # the failed run's last lines
     assert res.stdout.rstrip().endswith("run_all: 1 of 3 runs FAILED")
     assert bench_table((tmp_path / "runs" / "bench.md").read_text()) == rows
-    # what each run got: the batch, CPU, no workers, the same precision; a fresh folder each
+    # what each run got: the batch, the CPU, no workers (and, above, an empty checkpoint folder)
     dp_args = (tmp_path / "dp_resnet.py.args").read_text()
     assert dp_args.startswith("--batch-size 4 --cpu --arch resnet18 --image-size 32 --workers 0")
     ddp_args = (tmp_path / "ddp_resnet.py.args").read_text().splitlines()

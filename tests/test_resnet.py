@@ -54,7 +54,7 @@ def test_ddp_run_prints_saves_and_reports(uninterrupted):
     lines = out.splitlines()
     assert lines[0] == (
         "start | script ddp_resnet.py | world_size 2 | device cpu | backend gloo | model ResNet "
-        "| 12800 images | 2 steps x epochs 1..3"
+        "| 12800 images | 2 steps x epochs 1-3"
     )
     assert [line.split(" |")[0] for line in lines[1:]] == ["epoch 1/3"] * 3 + ["epoch 2/3"] * 3 + [
         "epoch 3/3"
@@ -91,7 +91,7 @@ def test_resume_ends_where_an_unbroken_run_ends(uninterrupted, tmp_path):
         timeout=TIMEOUT,
         env=ONE_THREAD,
     )
-    assert res.stdout.splitlines()[0].endswith("| 2 steps x epochs 2..3")
+    assert res.stdout.splitlines()[0].endswith("| 2 steps x epochs 2-3")
     same_weights(uninterrupted[0] / "epoch_3.pt", tmp_path / "epoch_3.pt")
     res = run(
         command("ddp_resnet.py", "--epochs", 3, "--ckpt-dir", tmp_path, "--resume"), timeout=TIMEOUT
@@ -101,14 +101,14 @@ def test_resume_ends_where_an_unbroken_run_ends(uninterrupted, tmp_path):
 
 @pytest.mark.parametrize("script", ["ddp_resnet.py", "dp_resnet.py"])
 def test_a_fresh_run_refuses_a_folder_with_checkpoints(script, tmp_path):
-    """The stale-checkpoint defect: a 3-epoch run, then a fresh 1-epoch run with another seed in
+    """The stale-checkpoint defect: a 3-epoch run, then a fresh 1-epoch run with another --lr in
     the same folder left epoch_2 and epoch_3 of the first behind, and a later --resume took them
     for its own. Now the fresh run stops at once and names both ways out."""
     ckpt = tmp_path / "ck"
     run(command(script, "--epochs", 3, "--ckpt-dir", ckpt), timeout=TIMEOUT)
     before = {p.name: p.read_bytes() for p in ckpt.iterdir()}
     res = run(
-        command(script, "--epochs", 1, "--seed", 1, "--ckpt-dir", ckpt),
+        command(script, "--epochs", 1, "--lr", 0.1, "--ckpt-dir", ckpt),
         timeout=TIMEOUT,
         check=False,
     )
@@ -123,9 +123,7 @@ def test_a_fresh_run_refuses_a_folder_with_checkpoints(script, tmp_path):
     if script == "dp_resnet.py":
         check_checkpoints(ckpt, [1, 2, 3])
         res = run(command(script, "--epochs", 4, "--ckpt-dir", ckpt, "--resume"), timeout=TIMEOUT)
-        assert (
-            res.stdout.splitlines()[0].endswith("x epochs 4..4") and (ckpt / "epoch_4.pt").is_file()
-        )
+        assert res.stdout.splitlines()[0].endswith("x epochs 4-4") and (ckpt / "epoch_4.pt").is_file()
 
 
 class Mkdir:
@@ -193,8 +191,8 @@ def test_bad_input_is_one_line_and_nothing_starts(script, tmp_path):
         (
             ["--ckpt-dir", tmp_path / "file"],
             1,
-            f"error: cannot save {tmp_path / 'file' / 'epoch_1.pt'} (File exists)"
-            if script == "dp_resnet.py"  # one process: nothing runs before it, and nothing is lost
+            f"error: --ckpt-dir {tmp_path / 'file'}: File exists"
+            if script == "dp_resnet.py"
             else f"error: cannot resume from {tmp_path / 'file'}: [Errno 17] File exists: ",
         ),
         (["--batch-size", 13000], 1, "error: 12800 images, too few for --batch-size 13000"),
@@ -205,4 +203,4 @@ def test_bad_input_is_one_line_and_nothing_starts(script, tmp_path):
         )
         assert res.returncode == code, (flags, res.stderr)
         assert line in last_line(res.stderr), (flags, res.stderr)
-        assert "start |" not in res.stdout or "cannot save" in line
+        assert "start |" not in res.stdout

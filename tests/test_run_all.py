@@ -50,9 +50,8 @@ def copy_with(folder, **scripts) -> None:
 def test_run_all_passes_twice_in_a_row_and_names_every_script(tmp_path):
     res = run_all(runs=tmp_path)
     rows = table(res.stdout)
-    launches = [("ddp_gather.py", "spawn"), ("ddp_gather.py", "torchrun")]
-    launches += [("ddp_fashionmnist.py", "spawn"), ("dp_resnet.py", "single")]
-    assert list(rows) == [*launches, ("ddp_resnet.py", "spawn")], res.stdout
+    launches = ["spawn", "torchrun", "spawn", "single", "spawn"]  # gather twice, then each once
+    assert list(rows) == list(zip([SCRIPTS[0], *SCRIPTS], launches, strict=True)), res.stdout
     for row in rows.values():
         assert row["result"].startswith("ok: ") and float(row["seconds"]) > 0, row
     assert {r["backend"] for r in rows.values()} == {"gloo", "none"}  # no GPU: 2 CPU processes
