@@ -70,7 +70,7 @@ def launch(main, args: argparse.Namespace) -> None:  # torchrun: we are one rank
             s.bind((os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", 0))))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         mp.spawn(main, (args,), nprocs=args.nprocs)  # one rank fails: SIGTERM to the others
-    except mp.ProcessException as e:  # a rank failed: it said why (exit code > 0), else we do
+    except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:  # it said why, or we do
         sys.exit(e.exit_code if getattr(e, "exit_code", 0) > 0 else f"error: {e}")
     except OSError as e:  # the MASTER_PORT you set is taken (torchrun: this rank's error)
         sys.exit(f"error: {e}")

@@ -6,8 +6,8 @@ Your own model and data: change build_model and load_datasets, nothing else.
     python ddp_resnet.py --data train --val-data val   # ImageFolder roots; top-1 every epoch
     python ddp_resnet.py --cpu --arch resnet18 --image-size 64 --epochs 2 --max-steps 10
     torchrun --standalone --nproc-per-node=2 ddp_resnet.py --cpu ...   # the same flags
-Rank 0 prints `start`, `epoch 1/2 | step 10/10 | loss 6.9155 | 110 img/s | 9.1 s`, epoch and
-`done | epochs_run 2 | final_loss 6.967 | checkpoint model_checkpoints/epoch_2.pt` lines."""
+Rank 0 prints a start line, `epoch 1/2 | step 10/10 | loss 6.92 | 110 img/s | 9.1 s`, epoch and
+done lines: the loss of every rank's steps, top-1 with --val-data, the newest checkpoint."""
 
 import argparse
 import io
@@ -50,18 +50,19 @@ def print0(*args) -> None:
 
 def load_datasets(args: argparse.Namespace) -> tuple:
     """The training and validation sets (None without --val-data), and the number of classes."""
-    if not args.data:  # 12,800 random images, 256 distinct ones made once: no decoding
-        g, size = torch.Generator().manual_seed(args.seed), args.image_size
-        images = TensorDataset(torch.randn(256, 3, size, size, generator=g), torch.arange(256))
-        return Subset(images, [i % 256 for i in range(12800)]), None, 256
     size, imagenet = args.image_size, ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
     # the tutorial's Resize(256), CenterCrop(224) at any --image-size; ImageNet's mean and std
     resize = [T.Resize(size * 8 // 7), T.CenterCrop(size), T.ToTensor(), T.Normalize(*imagenet)]
-    # fixed: the tutorial's ImageFolder(root=, ...) is a syntax error
-    train = datasets.ImageFolder(args.data, transform=T.Compose(resize))
-    val = args.val_data and datasets.ImageFolder(args.val_data, train.transform)
+    if args.data:  # fixed: the tutorial's ImageFolder(root=, ...) is a syntax error
+        train = datasets.ImageFolder(args.data, transform=T.Compose(resize))
+    else:  # 12,800 random images, 256 distinct ones made once: no decoding
+        g = torch.Generator().manual_seed(args.seed)
+        images = TensorDataset(torch.randn(256, 3, size, size, generator=g), torch.arange(256))
+        train = Subset(images, [i % 256 for i in range(12800)])
+        train.classes = [str(c) for c in range(256)]
+    val = args.val_data and datasets.ImageFolder(args.val_data, T.Compose(resize))
     if val and val.classes != train.classes:
-        raise ValueError(f"--val-data {args.val_data} holds other class folders than --data")
+        raise ValueError(f"--val-data {args.val_data} holds other classes than the training data")
     return train, val or None, len(train.classes)
 
 
@@ -154,9 +155,8 @@ def run_training_process_on_given_gpu(local_rank: int, args: argparse.Namespace)
         dist.broadcast(start, src=0)  # rank 0's look at --ckpt-dir decides for every rank
         steps = min(len(dataloader), args.max_steps or len(dataloader))
         m = dict(script="ddp_resnet.py", world_size=dist.get_world_size(), device=device.type)
-        m.update(backend=dist.get_backend(), model=type(model.module).__name__)
-        epochs = f"epochs {start.item()}-{args.epochs}"  # --resume goes on after the newest
-        print0(line("start", m, *m), f"| {len(train_set)} images | {steps} steps x {epochs}")
+        m.update(backend=dist.get_backend(), model=type(model.module).__name__, steps=steps)
+        print0(line("start", m, *m), f"| epochs {start.item()}-{args.epochs}")
         for epoch in range(start.item(), args.epochs + 1):  # fixed: range(1, 30) ran 29 epochs
             if epoch > 1:
                 load_model(epoch - 1, model, optimizer, args)
@@ -171,13 +171,14 @@ def run_training_process_on_given_gpu(local_rank: int, args: argparse.Namespace)
             load_model(args.epochs, model, optimizer, args)
             m.update(evaluate(model, val_set, args))
         m["epochs_run"] = max(0, args.epochs + 1 - start.item())
-        m["steps"] = m["epochs_run"] * steps  # each rank's
         print0(line("done", m, "epochs_run", "final_loss", "val_accuracy", "checkpoint"))
         if dist.get_rank() == 0 and args.metrics_out:
             Path(args.metrics_out).write_text(json.dumps(m, indent=1))
         del model  # before its process group goes: torch 2.11 (gloo) could hang at exit
-    finally:
         dist.destroy_process_group()
+    except RuntimeError as e:  # a lost peer (gloo's, NCCL's words): let its own report come first
+        time.sleep(3 * any(w in str(e) for w in ("by peer", "Broken pipe", "remote process")))
+        raise
 
 
 def line(head: str, m: dict, *keys: str) -> str:
@@ -201,7 +202,7 @@ def launch(main, args: argparse.Namespace) -> None:  # torchrun: we are one rank
             s.bind((os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", 0))))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         mp.spawn(main, (args,), nprocs=args.nprocs)  # one rank fails: SIGTERM to the others
-    except mp.ProcessException as e:  # a rank failed: it said why (exit code > 0), else we do
+    except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:  # it said why, or we do
         sys.exit(e.exit_code if getattr(e, "exit_code", 0) > 0 else f"error: {e}")
     except OSError as e:  # the MASTER_PORT you set is taken (torchrun: this rank's error)
         sys.exit(f"error: {e}")

@@ -1,5 +1,6 @@
 """Shared test helpers: launch the scripts the way a user does, with a hard timeout, and
 make sure no process of a run outlives it."""
+
 import json
 import os
 import select
@@ -26,9 +27,16 @@ def start(args: list, cwd=None, env=None, preexec_fn=None) -> subprocess.Popen:
     for var in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         if env is None or var not in env:
             full_env.pop(var, None)  # a test never inherits a launcher's rendezvous by accident
-    proc = subprocess.Popen(args, cwd=cwd or ROOT, env=full_env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True,
-                            preexec_fn=preexec_fn)
+    proc = subprocess.Popen(
+        args,
+        cwd=cwd or ROOT,
+        env=full_env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        preexec_fn=preexec_fn,
+    )
     proc.mark = full_env[MARK]
     return proc
 
@@ -55,7 +63,9 @@ def kill_all(proc: subprocess.Popen) -> None:
             pass
 
 
-def finish(proc: subprocess.Popen, timeout: float, check: bool = True, linger: float = 10) -> subprocess.CompletedProcess:
+def finish(
+    proc: subprocess.Popen, timeout: float, check: bool = True, linger: float = 10
+) -> subprocess.CompletedProcess:
     """Wait for a started command; fail on timeout, on a non-zero exit (with check) and when
     any of its processes is still alive `linger` seconds after it exited."""
     args = proc.args
@@ -64,17 +74,23 @@ def finish(proc: subprocess.Popen, timeout: float, check: bool = True, linger: f
     except subprocess.TimeoutExpired:
         kill_all(proc)
         out, err = proc.communicate()
-        pytest.fail(f"timed out after {timeout}s: {' '.join(map(str, args))}\n{out[-3000:]}\n{err[-3000:]}")
+        pytest.fail(
+            f"timed out after {timeout}s: {' '.join(map(str, args))}\n{out[-3000:]}\n{err[-3000:]}"
+        )
     deadline = time.monotonic() + linger
     while tagged(proc.mark) and time.monotonic() < deadline:
         time.sleep(0.2)
     left = tagged(proc.mark)
     kill_all(proc)
     if left:
-        pytest.fail(f"{len(left)} process(es) outlived {' '.join(map(str, args))}: {left}\n{err[-3000:]}")
+        pytest.fail(
+            f"{len(left)} process(es) outlived {' '.join(map(str, args))}: {left}\n{err[-3000:]}"
+        )
     result = subprocess.CompletedProcess(args, proc.returncode, out, err)
     if check and proc.returncode != 0:
-        pytest.fail(f"exit {proc.returncode}: {' '.join(map(str, args))}\n{out[-3000:]}\n{err[-3000:]}")
+        pytest.fail(
+            f"exit {proc.returncode}: {' '.join(map(str, args))}\n{out[-3000:]}\n{err[-3000:]}"
+        )
     return result
 
 
@@ -86,7 +102,7 @@ def finish_all(procs: list, timeout: float, check: bool = True) -> list:
         for proc in procs:
             done.append(finish(proc, timeout, check))
     except BaseException:
-        for proc in procs[len(done):]:
+        for proc in procs[len(done) :]:
             kill_all(proc)
         raise
     return done
@@ -124,8 +140,15 @@ def python(script: str, *flags) -> list:
 
 def torchrun(script: str, nproc: int, *flags) -> list:
     # `python -m torch.distributed.run` is the torchrun console script, from this interpreter.
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc-per-node={nproc}", str(ROOT / script), *map(str, flags)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={nproc}",
+        str(ROOT / script),
+        *map(str, flags),
+    ]
 
 
 def metrics(path) -> dict:
@@ -133,8 +156,19 @@ def metrics(path) -> dict:
 
 
 # resnet18 on 32 px synthetic images, 2 steps an epoch: the small DDP run most tests share
-RESNET = ["--cpu", "--arch", "resnet18", "--image-size", 32, "--batch-size", 4, "--max-steps", 2,
-          "--timeout", 60]
+RESNET = [
+    "--cpu",
+    "--arch",
+    "resnet18",
+    "--image-size",
+    32,
+    "--batch-size",
+    4,
+    "--max-steps",
+    2,
+    "--timeout",
+    60,
+]
 DP = RESNET[1:-2]  # dp_resnet.py: one process, no --timeout
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # the same kernels in every run: bitwise-comparable weights
 
@@ -143,20 +177,39 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # the same kernels in every run: bitwise-
 def uninterrupted(tmp_path_factory):
     """One 3-epoch spawned DDP run: what other launches, resumes and nodes must reproduce."""
     folder = tmp_path_factory.mktemp("uninterrupted")
-    result = run(python("ddp_resnet.py", *RESNET, "--nprocs", 2, "--epochs", 3, "--log-every", 1, "--ckpt-dir", folder,
-                        "--metrics-out", folder / "metrics.json"), timeout=180, env=ONE_THREAD)
+    result = run(
+        python(
+            "ddp_resnet.py",
+            *RESNET,
+            "--nprocs",
+            2,
+            "--epochs",
+            3,
+            "--log-every",
+            1,
+            "--ckpt-dir",
+            folder,
+            "--metrics-out",
+            folder / "metrics.json",
+        ),
+        timeout=180,
+        env=ONE_THREAD,
+    )
     return folder, result.stdout
 
 
 def same_weights(a, b) -> None:
     """Two checkpoints hold bitwise-equal weights and momentum buffers."""
     import torch
+
     a, b = (torch.load(f, map_location="cpu", weights_only=True) for f in (a, b))
     assert a["model_state_dict"].keys() == b["model_state_dict"].keys()
     for k, t in a["model_state_dict"].items():
         assert torch.equal(t, b["model_state_dict"][k]), f"{k} differs"
     for i, s in a["optimizer_state_dict"]["state"].items():
-        assert torch.equal(s["momentum_buffer"], b["optimizer_state_dict"]["state"][i]["momentum_buffer"])
+        assert torch.equal(
+            s["momentum_buffer"], b["optimizer_state_dict"]["state"][i]["momentum_buffer"]
+        )
 
 
 def last_line(stderr: str) -> str:

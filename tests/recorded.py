@@ -10,13 +10,12 @@ the files it downloaded.
 Runs under torchrun only: spawned ranks are fresh interpreters without these recorders.
 FMNIST_MIRROR=URL makes torchvision download FashionMNIST from there, without its checksums
 (a local copy of the files stands in for the internet)."""
+
 import json
 import os
 import runpy
 import sys
 from pathlib import Path
-
-os.environ.pop("OMP_NUM_THREADS", None)  # what a spawned rank sees: the script splits the cores
 
 import torch  # noqa: E402
 import torchvision  # noqa: E402
@@ -33,6 +32,7 @@ def recording(cls):
         seen["draws"].append(order)
         seen["threads"].append(torch.get_num_threads())
         return iter(order)
+
     cls.__iter__ = __iter__
 
 
@@ -63,6 +63,7 @@ if os.environ.get("FMNIST_MIRROR"):
     def download(url, *args, **kwargs):
         seen["downloads"].append(url.rsplit("/", 1)[-1])
         return fetch(url, *args, **kwargs)
+
     torchvision.datasets.mnist.download_and_extract_archive = download
 
 if __name__ == "__main__":

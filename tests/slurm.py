@@ -5,6 +5,7 @@ Use it with `from slurm import slurm` in a test module, then run clients with th
 Everything (config, munge key/socket, state, spool, logs) lives in a temp dir and nothing in
 /etc is read or written; every daemon is stopped by PID at the end of the session.
 """
+
 import getpass
 import os
 import shutil
@@ -23,10 +24,10 @@ NODES = 2  # two slurmd on one host (slurmd -N NAME, each its own Port): a two-n
 
 @dataclass
 class Slurm:
-    env: dict        # add to a client's environment: srun/sbatch/squeue then use this cluster
-    hostname: str    # SlurmctldHost, and the first node's name
-    nodes: list      # node names
-    tmp: Path        # config, state, spool and logs
+    env: dict  # add to a client's environment: srun/sbatch/squeue then use this cluster
+    hostname: str  # SlurmctldHost, and the first node's name
+    nodes: list  # node names
+    tmp: Path  # config, state, spool and logs
 
 
 def _free_port() -> int:
@@ -42,26 +43,39 @@ def _config(tmp: Path, host: str, nodes: list, munge_socket: Path) -> str:
         f"SlurmctldHost={host}(127.0.0.1)",  # loopback only
         # Non-default ports: no clash with a real cluster or a parallel session.
         f"SlurmctldPort={_free_port()}",  # and each node's Port below
-        f"SlurmUser={user}", f"SlurmdUser={user}",
+        f"SlurmUser={user}",
+        f"SlurmdUser={user}",
         # Bind to the address the hostname resolves to (127.0.0.1), not to 0.0.0.0.
         "CommunicationParameters=NoInAddrAny,NoCtldInAddrAny",
         # Our own munged; this line is read by the daemons and by srun/sbatch/squeue alike.
-        "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={munge_socket}",
-        f"StateSaveLocation={tmp}/state", f"SlurmdSpoolDir={tmp}/spool/%n",
-        f"SlurmctldPidFile={tmp}/slurmctld.pid", f"SlurmdPidFile={tmp}/slurmd-%n.pid",
-        f"SlurmctldLogFile={tmp}/slurmctld.log", f"SlurmdLogFile={tmp}/slurmd-%n.log",
+        "AuthType=auth/munge",
+        "CredType=cred/munge",
+        f"AuthInfo=socket={munge_socket}",
+        f"StateSaveLocation={tmp}/state",
+        f"SlurmdSpoolDir={tmp}/spool/%n",
+        f"SlurmctldPidFile={tmp}/slurmctld.pid",
+        f"SlurmdPidFile={tmp}/slurmd-%n.pid",
+        f"SlurmctldLogFile={tmp}/slurmctld.log",
+        f"SlurmdLogFile={tmp}/slurmd-%n.log",
         # No cgroups, systemd or database in a sandbox: plugins that need none of them.
-        "ProctrackType=proctrack/linuxproc", "TaskPlugin=task/none",
-        "JobAcctGatherType=jobacct_gather/none", "AccountingStorageType=accounting_storage/none",
-        "JobCompType=jobcomp/none", "MpiDefault=none", "SwitchType=switch/none",
-        "SelectType=select/cons_tres", "SelectTypeParameters=CR_Core",  # memory is not scheduled
+        "ProctrackType=proctrack/linuxproc",
+        "TaskPlugin=task/none",
+        "JobAcctGatherType=jobacct_gather/none",
+        "AccountingStorageType=accounting_storage/none",
+        "JobCompType=jobcomp/none",
+        "MpiDefault=none",
+        "SwitchType=switch/none",
+        "SelectType=select/cons_tres",
+        "SelectTypeParameters=CR_Core",  # memory is not scheduled
         "MailProg=/bin/true",  # Debian's default mail program is absent: slurmctld complains
         "ReturnToService=2",  # a node marked DOWN (slurmd restarted, say) is back on registering
         "KillWait=5",  # SIGKILL a cancelled job's tasks 5 s after SIGTERM, not 30: quick teardown
     ]
     for name in nodes:
-        lines.append(f"NodeName={name} NodeAddr=127.0.0.1 NodeHostname={host} Port={_free_port()} "
-                     f"CPUs={os.cpu_count()} RealMemory=1024 State=UNKNOWN")
+        lines.append(
+            f"NodeName={name} NodeAddr=127.0.0.1 NodeHostname={host} Port={_free_port()} "
+            f"CPUs={os.cpu_count()} RealMemory=1024 State=UNKNOWN"
+        )
     lines.append("PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP")
     return "\n".join(lines) + "\n"
 
@@ -73,10 +87,13 @@ def _ours(tmp: Path) -> set:
     pids, parent, mark = set(), {}, f"SLURM_CONF={tmp}/slurm.conf\0".encode()
     for entry in filter(str.isdigit, os.listdir("/proc")):
         try:
-            parent[int(entry)] = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            parent[int(entry)] = int(
+                Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]
+            )
             if mark in Path(f"/proc/{entry}/environ").read_bytes() or any(
-                    os.readlink(f"/proc/{entry}/fd/{fd}").startswith(f"{tmp}/")
-                    for fd in os.listdir(f"/proc/{entry}/fd")):
+                os.readlink(f"/proc/{entry}/fd/{fd}").startswith(f"{tmp}/")
+                for fd in os.listdir(f"/proc/{entry}/fd")
+            ):
                 pids.add(int(entry))
         except OSError:
             pass
@@ -90,8 +107,10 @@ def _ours(tmp: Path) -> set:
 
 def _logs(tmp: Path) -> str:
     # In the foreground the daemons log everything to stderr too, early config errors included.
-    return "\n".join(f"--- {f.name}\n" + "\n".join(f.read_text(errors="replace").splitlines()[-20:])
-                     for f in sorted(tmp.glob("*.stderr")))
+    return "\n".join(
+        f"--- {f.name}\n" + "\n".join(f.read_text(errors="replace").splitlines()[-20:])
+        for f in sorted(tmp.glob("*.stderr"))
+    )
 
 
 def _give_up(reason: str, tmp: Path):
@@ -129,8 +148,10 @@ def slurm(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("slurm")
     host = socket.gethostname()
     nodes = [host] + [f"{host}-{i}" for i in range(2, NODES + 1)]
-    bins = {b: shutil.which(b, path=SBIN)
-            for b in ("munged", "slurmctld", "slurmd", "sinfo", "squeue", "scancel")}
+    bins = {
+        b: shutil.which(b, path=SBIN)
+        for b in ("munged", "slurmctld", "slurmd", "sinfo", "squeue", "scancel")
+    }
     if None in bins.values():
         _give_up(f"missing {[b for b, p in bins.items() if p is None]}", tmp)
 
@@ -151,14 +172,30 @@ def slurm(tmp_path_factory):
         # Foreground (-F/-D) so the PID we hold is the daemon's; own process group so one
         # killpg reaches its helpers (slurmctld's slurmscriptd) and a Ctrl-C of pytest does not.
         with open(tmp / f"{name}.stderr", "w") as err:
-            procs.append(subprocess.Popen([*args], env=daemon_env, stdin=subprocess.DEVNULL,
-                                          stdout=err, stderr=err, start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    [*args],
+                    env=daemon_env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=err,
+                    stderr=err,
+                    start_new_session=True,
+                )
+            )
 
     try:
         # --force: munged refuses a socket in a dir not everyone can enter, and pytest's temp
         # dirs are 0700. In the foreground it logs to stderr (no --log-file).
-        daemon("munged", bins["munged"], "-F", "--force", f"--socket={munge_socket}",
-               f"--key-file={key}", f"--pid-file={tmp}/munged.pid", f"--seed-file={tmp}/munged.seed")
+        daemon(
+            "munged",
+            bins["munged"],
+            "-F",
+            "--force",
+            f"--socket={munge_socket}",
+            f"--key-file={key}",
+            f"--pid-file={tmp}/munged.pid",
+            f"--seed-file={tmp}/munged.seed",
+        )
         deadline = time.monotonic() + 10  # slurmctld needs munge from its first message on
         while not munge_socket.exists() and procs[0].poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
@@ -172,8 +209,13 @@ def slurm(tmp_path_factory):
             dead = [Path(p.args[0]).name for p in procs if p.poll() is not None]
             if dead:
                 _give_up(f"{dead} exited during startup", tmp)
-            state = subprocess.run([bins["sinfo"], "-h", "-N", "-o", "%N %t"], env=daemon_env,
-                                   capture_output=True, text=True, timeout=20).stdout
+            state = subprocess.run(
+                [bins["sinfo"], "-h", "-N", "-o", "%N %t"],
+                env=daemon_env,
+                capture_output=True,
+                text=True,
+                timeout=20,
+            ).stdout
             if sorted(state.split()[1::2]) == ["idle"] * len(nodes):
                 break
             if time.monotonic() > deadline:
@@ -184,12 +226,23 @@ def slurm(tmp_path_factory):
     finally:
         try:  # jobs first, so that slurmd/slurmstepd end their tasks the normal way
             if len(procs) > 1 and procs[1].poll() is None:
-                subprocess.run([bins["scancel"], f"--user={getpass.getuser()}"], env=daemon_env,
-                               capture_output=True, timeout=20)
+                subprocess.run(
+                    [bins["scancel"], f"--user={getpass.getuser()}"],
+                    env=daemon_env,
+                    capture_output=True,
+                    timeout=20,
+                )
                 deadline = time.monotonic() + 10
-                while time.monotonic() < deadline and subprocess.run(
-                        [bins["squeue"], "-h"], env=daemon_env, capture_output=True, text=True,
-                        timeout=20).stdout.strip():
+                while (
+                    time.monotonic() < deadline
+                    and subprocess.run(
+                        [bins["squeue"], "-h"],
+                        env=daemon_env,
+                        capture_output=True,
+                        text=True,
+                        timeout=20,
+                    ).stdout.strip()
+                ):
                     time.sleep(0.5)
         finally:
             _stop(procs, tmp)

@@ -1,19 +1,32 @@
-"""When things go wrong: busy ports, dead and hung ranks, debug mode. CPU, gloo, loopback only."""
+"""When things go wrong: busy ports, dead, hung and failing ranks, Ctrl-C, a full disk. CPU,
+gloo, loopback only; every run under a hard timeout, and no process may outlive its test."""
+
 import math
 import os
+import re
 import resource
 import signal
 import socket
+import subprocess
 import time
 
 import pytest
-import torch
-import torchvision
 
-from conftest import finish, metrics, python, run, start, torchrun
+from conftest import (
+    ONE_THREAD,
+    RESNET,
+    finish,
+    lines,
+    metrics,
+    python,
+    run,
+    same_weights,
+    start,
+    torchrun,
+)
 
 FM = ["--cpu", "--synthetic", "--timeout", "10"]
-DETAIL = {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}  # crashes DDP on gloo (torch 2.11-2.14) unworked-around
+TIMEOUT = 180
 
 
 def listening_ports() -> dict:
@@ -62,19 +75,22 @@ def occupy(port: int):
 
 
 def test_busy_default_ports_and_two_runs_at_once(tmp_path):
+    """The tutorials' 12355 and torchrun's 29500 taken: both launch paths still run, at once."""
     held = [occupy(12355), occupy(29500)]
     try:
-        procs = [start(python("ddp_gather.py", "--cpu", "--metrics-out", tmp_path / "a.json")),
-                 start(torchrun("ddp_gather.py", 2, "--cpu"))]
+        procs = [
+            start(python("ddp_gather.py", "--cpu", "--metrics-out", tmp_path / "a.json")),
+            start(torchrun("ddp_gather.py", 2, "--cpu")),
+        ]
         for proc in procs:
-            finish(proc, timeout=180)
+            finish(proc, timeout=TIMEOUT)
     finally:
         for s in held:
             if s:
                 s.close()
 
 
-def test_master_port_from_the_environment_is_used(tmp_path):
+def test_master_port_from_the_environment_is_used_and_a_busy_one_refused():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -83,84 +99,68 @@ def test_master_port_from_the_environment_is_used(tmp_path):
     while seen is None and time.monotonic() < deadline and proc.poll() is None:
         seen = listening_ports().get(port)
         time.sleep(0.02)
-    finish(proc, timeout=180)
+    finish(proc, timeout=TIMEOUT)
     assert seen is not None, f"nothing listened on MASTER_PORT {port} during the run"
-
-
-def test_busy_master_port_is_one_clear_error():
     s = occupy(0)
-    port = s.getsockname()[1]
     try:
-        res = run(python("ddp_gather.py", "--cpu"), timeout=60, check=False, env={"MASTER_PORT": str(port)})
+        res = run(
+            python("ddp_gather.py", "--cpu"),
+            timeout=60,
+            check=False,
+            env={"MASTER_PORT": str(s.getsockname()[1])},
+        )
     finally:
         s.close()
-    assert res.returncode != 0
-    assert res.stderr.strip().splitlines() == [
-        f"error: MASTER_PORT={port} cannot be used here (Address already in use); unset it and a free port is picked"]
+    assert res.returncode == 1 and res.stderr == "error: [Errno 98] Address already in use\n"
 
 
-@pytest.mark.parametrize("launcher,sig", [("spawn", "SIGKILL"), ("torchrun", "SIGKILL"), ("spawn", "SIGABRT")])
-def test_killed_rank_ends_the_job_within_seconds(launcher, sig):
-    """SIGABRT is how NCCL's watchdog ends the ranks that waited past --timeout: the message must
-    not blame that rank for the hang."""
+@pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
+def test_killed_rank_ends_the_job_within_seconds(launcher):
     flags = [*FM, "--epochs", 100]
-    proc = start(python("ddp_fashionmnist.py", "--nprocs", 2, *flags) if launcher == "spawn"
-                 else torchrun("ddp_fashionmnist.py", 2, *flags),
-                 preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_CORE, (0, 0)))  # no core file
+    proc = start(
+        python("ddp_fashionmnist.py", "--nprocs", 2, *flags)
+        if launcher == "spawn"
+        else torchrun("ddp_fashionmnist.py", 2, *flags)
+    )
     victim = wait_for_ranks(proc, 2, launcher == "torchrun")[1]
     time.sleep(3)  # into training
-    os.kill(victim, getattr(signal, sig))
+    os.kill(victim, signal.SIGKILL)
     killed = time.monotonic()
     res = finish(proc, timeout=60, check=False)  # also fails if any process is left
-    assert res.returncode != 0
-    assert time.monotonic() - killed < 15
-    if sig == "SIGABRT":
-        assert res.stderr.strip().splitlines()[-1:] == ["error: rank 1 was aborted (SIGABRT), as NCCL aborts the ranks "
-                                                       "that wait in a collective past --timeout: another rank may "
-                                                       "have hung or died"]
-    elif launcher == "spawn":
-        assert "error: rank 1 was killed by SIGKILL" in res.stderr
-
-
-def test_launcher_killed_while_its_ranks_start_leaves_no_rank():
-    """SIGKILL the spawning process the moment its ranks exist: mp.spawn arms their parent-death
-    signal only after they have imported torch, so without a check of their own they would
-    train on alone (here for 10 epochs)."""
-    proc = start(python("ddp_fashionmnist.py", *FM, "--epochs", 10))
-    wait_for_ranks(proc, 2, under_torchrun=False)
-    os.kill(proc.pid, signal.SIGKILL)
-    killed = time.monotonic()
-    finish(proc, timeout=120, check=False)  # returns once every rank has closed its output
-    assert time.monotonic() - killed < 15, "the ranks went on after their launcher was killed"
+    assert res.returncode != 0 and time.monotonic() - killed < 15
+    if launcher == "spawn":
+        assert res.stderr.splitlines()[-1] == "error: process 1 terminated with signal SIGKILL"
 
 
 def test_hung_rank_ends_the_job_after_the_timeout():
-    """A stopped rank never reaches the next collective: the others give up after --timeout, and
-    the launcher kills the stopped one. (Under torchrun the agent adds its own 30 s before its
-    SIGKILL; measured once by hand, see the README, not repeated here to keep the suite short.)"""
-    proc = start(python("ddp_fashionmnist.py", "--nprocs", 2, "--cpu", "--synthetic", "--timeout", 5,
-                        "--epochs", 100))
+    """A stopped rank never reaches the next collective: the other gives up after --timeout."""
+    proc = start(
+        python(
+            "ddp_fashionmnist.py",
+            "--nprocs",
+            2,
+            "--cpu",
+            "--synthetic",
+            "--timeout",
+            5,
+            "--epochs",
+            100,
+        )
+    )
     victim = wait_for_ranks(proc, 2, under_torchrun=False)[1]
     time.sleep(3)
     os.kill(victim, signal.SIGSTOP)
     stopped = time.monotonic()
     res = finish(proc, timeout=120, check=False)
     took = time.monotonic() - stopped
-    assert res.returncode != 0
-    assert 5 <= took < 5 + 15, took
-    assert "Timed out" in res.stderr or "timed out" in res.stderr
-
-
-@pytest.mark.parametrize("nprocs", [0, -2])
-def test_non_positive_nprocs_is_one_clear_error(nprocs):
-    res = run(python("ddp_fashionmnist.py", "--cpu", "--synthetic", "--nprocs", nprocs), timeout=60, check=False)
-    assert res.returncode != 0
-    assert res.stderr.strip().splitlines() == [f"error: --nprocs must be positive, got {nprocs}"]
+    assert res.returncode != 0 and 5 <= took < 5 + 40, took
+    assert "timed out" in res.stderr.lower()
 
 
 def image_folder(root, per_class: int, broken: int = -1):
     """3 classes of small PNGs; image number `broken` of class_1 is not an image at all."""
     from PIL import Image
+
     for c in range(3):
         (root / f"class_{c}").mkdir(parents=True)
         for i in range(per_class):
@@ -175,33 +175,199 @@ def image_folder(root, per_class: int, broken: int = -1):
 @pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
 def test_exception_in_one_rank_ends_the_job(tmp_path, launcher):
     """A corrupt image makes the one rank that reads it raise mid-epoch; the other is waiting in
-    a collective. The job must end promptly with an error, and leave no process behind."""
+    a collective. The job ends at once with the cause, and leaves no process behind."""
     data = image_folder(tmp_path / "data", per_class=8, broken=5)
-    flags = ["--cpu", "--arch", "resnet18", "--image-size", 32, "--batch-size", 2, "--epochs", 3,
-             "--timeout", 120, "--data", data, "--ckpt-dir", tmp_path / "ckpt"]
-    cmd = python("ddp_resnet.py", "--nprocs", 2, *flags) if launcher == "spawn" else torchrun("ddp_resnet.py", 2, *flags)
+    flags = [
+        "--cpu",
+        "--arch",
+        "resnet18",
+        "--image-size",
+        32,
+        "--batch-size",
+        2,
+        "--epochs",
+        3,
+        "--timeout",
+        120,
+        "--data",
+        data,
+        "--ckpt-dir",
+        tmp_path / "ckpt",
+    ]
+    cmd = (
+        python("ddp_resnet.py", "--nprocs", 2, *flags)
+        if launcher == "spawn"
+        else torchrun("ddp_resnet.py", 2, *flags)
+    )
     began = time.monotonic()
     res = finish(start(cmd), timeout=110, check=False)  # well under --timeout: nobody waited for it
     assert res.returncode != 0
-    assert "cannot identify image file" in res.stderr and "class_1/5.png" in res.stderr  # the root cause shown
-    if launcher == "spawn":
-        assert res.stderr.splitlines()[-1].endswith("failed (above)")
+    assert (
+        "cannot identify image file" in res.stderr and "class_1/5.png" in res.stderr
+    )  # the root cause
     assert time.monotonic() - began < 110
 
 
 def test_dataset_not_divisible_by_world_size(tmp_path):
-    """An ImageFolder of 11 PNGs on 3 ranks: DistributedSampler pads, every rank runs the same
-    steps (its share of 4 in batches of 3: the last batch of 1, which BatchNorm cannot train on,
-    is dropped), no hang; with --amp --channels-last, and under TORCH_DISTRIBUTED_DEBUG=DETAIL, which
-    crashes DDP on gloo (torch 2.11-2.14) without the scripts' workaround."""
+    """11 images on 3 ranks: DistributedSampler pads the shares to 4, and with batch 3 the last
+    batch of 1, which BatchNorm cannot train on, is dropped; every rank runs the same steps, with
+    --amp --channels-last too."""
     data = image_folder(tmp_path / "data", per_class=4)
     (data / "class_2" / "3.png").rename(data / "class_2" / "3.txt")  # 11 images
     out, ckpt = tmp_path / "m.json", tmp_path / "ckpt"
-    run(python("ddp_resnet.py", "--cpu", "--nprocs", 3, "--arch", "resnet18", "--image-size", 32,
-               "--batch-size", 3, "--epochs", 2, "--timeout", 60, "--data", data, "--amp", "--channels-last",
-               "--ckpt-dir", ckpt, "--metrics-out", out), timeout=240, env=DETAIL)
+    run(
+        python(
+            "ddp_resnet.py",
+            "--cpu",
+            "--nprocs",
+            3,
+            "--arch",
+            "resnet18",
+            "--image-size",
+            32,
+            "--batch-size",
+            3,
+            "--epochs",
+            2,
+            "--timeout",
+            60,
+            "--data",
+            data,
+            "--amp",
+            "--channels-last",
+            "--ckpt-dir",
+            ckpt,
+            "--metrics-out",
+            out,
+        ),
+        timeout=240,
+    )
     m = metrics(out)
-    assert m["steps"] == 2 * (-(-11 // 3) // 3) and math.isfinite(m["final_loss"])  # padded share of 4
-    assert sorted(p.name for p in ckpt.glob("epoch_*.pt")) == ["epoch_1.pt", "epoch_2.pt"]
-    ckpt = torch.load(ckpt / "epoch_2.pt", weights_only=True)  # --num-classes followed the folder
-    torchvision.models.resnet18(num_classes=3).load_state_dict(ckpt["model_state_dict"])
+    assert m["steps"] == 1 and m["epochs_run"] == 2 and math.isfinite(m["final_loss"])
+    assert sorted(p.name for p in ckpt.glob("epoch_*")) == ["epoch_1.pt", "epoch_2.pt"]
+
+
+# --- checkpoints at the worst moments ---
+LONG = [*RESNET[:-4], "--max-steps", 6, "--log-every", 2, "--timeout", 60]  # 6 steps an epoch
+
+
+def command(how: str, *flags) -> list:
+    if how == "spawn":
+        return python("ddp_resnet.py", "--nprocs", 2, *LONG, *flags)
+    if how == "torchrun":
+        return torchrun("ddp_resnet.py", 2, *LONG, *flags)
+    return python(
+        "dp_resnet.py", *[f for f in LONG if f not in ("--timeout", 60, "--log-every", 2)], *flags
+    )
+
+
+def saved(folder) -> list:
+    """The epochs saved; fails on anything half-done (a temporary file) or foreign."""
+    names = sorted(os.listdir(folder))
+    assert all(re.fullmatch(r"epoch_\d+\.pt", n) for n in names), names
+    return sorted(int(n[6:-3]) for n in names)
+
+
+def interrupted(res, how: str) -> None:
+    """Exit 130, and no traceback of ours (under torchrun, torchrun's own report may follow)."""
+    if how == "torchrun":
+        assert (
+            res.returncode != 0 and '.py", line' not in res.stderr.split("torch.distributed.run")[0]
+        ), res.stderr[-3000:]
+    else:
+        assert res.returncode == 130 and "Traceback" not in res.stderr, res.stderr[-3000:]
+
+
+@pytest.mark.parametrize("how", ["spawn", "torchrun", "dp"])
+def test_ctrl_c_mid_epoch_then_during_a_save_then_resume(how, tmp_path):
+    folder = tmp_path / "ckpt"
+    flags = ["--epochs", 3, "--ckpt-dir", folder]
+    proc = start(command(how, *flags))  # Ctrl-C mid-epoch: once epoch 2 has begun
+    for _ in lines(proc, TIMEOUT, until=lambda line: line.startswith("epoch 2/3 | step")):
+        pass
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
+    sent = time.monotonic()
+    res = finish(proc, timeout=30, check=False)  # also fails if any process is left
+    assert time.monotonic() - sent < 15
+    interrupted(res, how)
+    assert saved(folder) == [1]
+    proc = start(command(how, *flags, "--resume"))  # Ctrl-C while a checkpoint is being written
+    deadline = time.monotonic() + TIMEOUT
+    while not any(n.endswith(".tmp") for n in os.listdir(folder)):
+        assert time.monotonic() < deadline and proc.poll() is None, "no save was ever seen"
+        time.sleep(0.001)
+    os.killpg(proc.pid, signal.SIGINT)
+    sent = time.monotonic()
+    res = finish(proc, timeout=30, check=False)
+    assert time.monotonic() - sent < 15
+    interrupted(res, how)
+    done = saved(folder)
+    res = run(command(how, *flags, "--resume"), timeout=TIMEOUT)
+    assert re.search(rf"epochs {done[-1] + 1}-3$", res.stdout.splitlines()[0]), res.stdout
+    assert saved(folder) == [1, 2, 3]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A tmpfs of 150 MiB: room for one resnet18 checkpoint (90 MB with momentum), not two."""
+    disk = tmp_path / "small"
+    disk.mkdir()
+    mount = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=150m", "tmpfs", disk], capture_output=True, text=True
+    )
+    if mount.returncode:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI runs as root and must mount a tmpfs: {mount.stderr}")
+        pytest.skip(f"cannot mount a tmpfs here ({mount.stderr.strip()}); see the file-size test")
+    yield disk
+    subprocess.run(["umount", "-l", disk])
+
+
+@pytest.mark.parametrize("how", ["spawn", "torchrun"])
+def test_full_disk_during_a_save(how, small_disk, uninterrupted):
+    folder = small_disk / "ckpt"
+    flags = [*RESNET, "--epochs", 3, "--ckpt-dir", folder]
+    cmd = (
+        python("ddp_resnet.py", "--nprocs", 2, *flags)
+        if how == "spawn"
+        else torchrun("ddp_resnet.py", 2, *flags)
+    )
+    res = run(cmd, timeout=TIMEOUT, check=False, env=ONE_THREAD)
+    line = (
+        f"error: cannot save {folder / 'epoch_2.pt'} (No space left on device); fix that, rerun with "
+        f"--resume"
+    )
+    assert res.returncode == 1 and line in res.stderr.splitlines(), res.stderr[-3000:]
+    assert '.py", line' not in res.stderr.split("torch.distributed.run")[0]  # no traceback of ours
+    assert saved(folder) == [1]
+    if how == "spawn":  # space freed: --resume ends where a run never stopped ends
+        subprocess.run(["mount", "-o", "remount,size=400m", small_disk], check=True)
+        run(
+            python("ddp_resnet.py", "--nprocs", 2, *flags, "--resume"),
+            timeout=TIMEOUT,
+            env=ONE_THREAD,
+        )
+        same_weights(uninterrupted[0] / "epoch_3.pt", folder / "epoch_3.pt")
+
+
+def test_file_size_limit_during_a_dp_save(tmp_path):
+    """No mount needed: a file-size limit below one checkpoint makes the first save fail."""
+    folder = tmp_path / "ckpt"
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20 * 2**20, 20 * 2**20))
+
+    res = run(
+        command("dp", "--epochs", 2, "--ckpt-dir", folder),
+        timeout=TIMEOUT,
+        check=False,
+        preexec_fn=limit,
+    )
+    assert res.returncode == 1
+    assert (
+        res.stderr
+        == f"error: cannot save {folder / 'epoch_1.pt'} (File too large); fix that, rerun with --resume\n"
+    )
+    assert saved(folder) == []
+    run(command("dp", "--epochs", 2, "--resume", "--ckpt-dir", folder), timeout=TIMEOUT)
+    assert saved(folder) == [1, 2]

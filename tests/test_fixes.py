@@ -1,7 +1,8 @@
-"""The fixes no other test can see from outside: which samples each epoch and rank draws, how
-many threads and loader workers a rank uses, whose losses the printed loss averages, who
-downloads FashionMNIST, and that a clean run warns about nothing. The runs go through
+"""The fixes no other test can see from outside: which samples each epoch and rank draws, whose
+losses the printed loss averages, how many threads and loader workers a rank uses, who downloads
+FashionMNIST, and that a clean run warns about nothing. The torchrun runs go through
 tests/recorded.py, which records those inside each process of an unchanged script."""
+
 import http.server
 import json
 import os
@@ -10,9 +11,21 @@ import time
 
 import pytest
 
-from conftest import DEBIAN_FMNIST, RESNET, ROOT, metrics, python, run, torchrun
+from conftest import (
+    DEBIAN_FMNIST,
+    DP,
+    RESNET,
+    finish,
+    last_line,
+    metrics,
+    python,
+    run,
+    start,
+    tagged,
+    torchrun,
+)
 
-FM = ["--cpu", "--synthetic", "--epochs", 2, "--max-steps", 3, "--timeout", 60]
+FM = ["--cpu", "--synthetic", "--epochs", 2, "--timeout", 60]
 
 
 def recorded(out, ranks: int) -> list:
@@ -22,17 +35,24 @@ def recorded(out, ranks: int) -> list:
 @pytest.mark.parametrize("script", ["ddp_fashionmnist.py", "ddp_resnet.py"])
 def test_each_epoch_a_new_order_each_rank_its_own_share_the_loss_of_all(script, tmp_path):
     """set_epoch: epoch 2 draws another order than epoch 1; the two ranks' shares are disjoint
-    and cover the data; the printed loss is the mean of both ranks' losses, not rank 0's; the
-    ranks split the cores; --workers is per process (the tutorial's 4 * GPUs is 0 here)."""
+    and cover the data; the printed loss is the mean of both ranks' losses, not rank 0's;
+    --workers is per process (the tutorial's 4 * GPUs in every process is 0 here)."""
     out, flags = tmp_path / "rec", ["--metrics-out", tmp_path / "m.json"]
     if script == "ddp_resnet.py":
         flags += [*RESNET, "--epochs", 2, "--workers", 1, "--ckpt-dir", tmp_path / "ckpt"]
-    run(torchrun("tests/recorded.py", 2, out, script, *(flags if script == "ddp_resnet.py" else FM + flags)),
-        timeout=180)
-    ranks, size = recorded(out, 2), 60000 if script == "ddp_fashionmnist.py" else 32
+    run(
+        torchrun(
+            "tests/recorded.py",
+            2,
+            out,
+            script,
+            *(flags if script == "ddp_resnet.py" else FM + flags),
+        ),
+        timeout=180,
+    )
+    ranks, size = recorded(out, 2), 60000 if script == "ddp_fashionmnist.py" else 12800
     for rank in ranks:
         assert len(rank["draws"]) == 2 and rank["draws"][0] != rank["draws"][1]
-        assert rank["threads"] == [max(1, os.cpu_count() // 2)] * 2
     for epoch in (0, 1):
         shares = [set(rank["draws"][epoch]) for rank in ranks]
         assert not shares[0] & shares[1] and shares[0] | shares[1] == set(range(size))
@@ -45,18 +65,54 @@ def test_each_epoch_a_new_order_each_rank_its_own_share_the_loss_of_all(script, 
         assert ranks[0]["workers"][0] == ranks[1]["workers"][0] == 1
 
 
-def test_dp_reshuffles_every_epoch_from_seed_plus_epoch(tmp_path):
-    """DataParallel has no sampler to set_epoch: each epoch draws a new order, made from seed +
+def test_spawned_ranks_share_the_cores():
+    """Two ranks on this machine: each gets half the cores (OMP_NUM_THREADS), not all of them."""
+    proc = start(python("ddp_fashionmnist.py", "--nprocs", 2, *FM[:-4], "--epochs", 50))
+    deadline, seen = time.monotonic() + 60, {}
+    while len(seen) < 2 and time.monotonic() < deadline:
+        for pid in tagged(proc.mark):
+            try:
+                environ = dict(
+                    v.split("=", 1)
+                    for v in open(f"/proc/{pid}/environ").read().split("\0")
+                    if "=" in v
+                )
+            except OSError:
+                continue
+            if "RANK" in environ:  # a rank, not the launcher or the resource tracker
+                seen[pid] = environ.get("OMP_NUM_THREADS")
+        time.sleep(0.2)
+    os.killpg(proc.pid, 2)
+    finish(proc, timeout=60, check=False)
+    assert list(seen.values()) == [str(max(1, os.cpu_count() // 2))] * 2, seen
+
+
+def test_dp_reshuffles_every_epoch_from_the_epoch_number(tmp_path):
+    """DataParallel has no sampler to set_epoch: each epoch draws a new order, seeded by the
     epoch, so a run resumed after epoch 1 draws in epoch 2 what an uninterrupted run drew."""
-    flags = ["--arch", "resnet18", "--image-size", 32, "--batch-size", 4, "--max-steps", 2,
-             "--synthetic-size", 32, "--workers", 1]
     for name, epochs, more in (("whole", 2, []), ("first", 1, []), ("resumed", 2, ["--resume"])):
         folder = tmp_path / ("whole" if name == "whole" else "ckpt")
-        run(python("tests/recorded.py", tmp_path / name, "dp_resnet.py", *flags, "--epochs", epochs,
-                   "--ckpt-dir", folder, *more), timeout=180)
-    whole, first, resumed = (recorded(tmp_path / name, 1)[0] for name in ("whole", "first", "resumed"))
+        run(
+            python(
+                "tests/recorded.py",
+                tmp_path / name,
+                "dp_resnet.py",
+                *DP,
+                "--workers",
+                1,
+                "--epochs",
+                epochs,
+                "--ckpt-dir",
+                folder,
+                *more,
+            ),
+            timeout=180,
+        )
+    whole, first, resumed = (
+        recorded(tmp_path / name, 1)[0] for name in ("whole", "first", "resumed")
+    )
     assert len(whole["draws"]) == 2 and whole["draws"][0] != whole["draws"][1]
-    assert sorted(whole["draws"][0]) == sorted(whole["draws"][1]) == list(range(32))
+    assert sorted(whole["draws"][0]) == sorted(whole["draws"][1]) == list(range(12800))
     assert first["draws"] == whole["draws"][:1] and resumed["draws"] == whole["draws"][1:]
     assert whole["workers"][0] == 1
 
@@ -78,7 +134,7 @@ class Mirror(http.server.SimpleHTTPRequestHandler):
 def test_fashionmnist_is_downloaded_once_per_machine(tmp_path):
     """Under torchrun only local rank 0 downloads, the other rank waits for it; the tutorial
     had every rank download into the same folder at once. A local mirror stands in for the
-    internet."""
+    internet; a mirror that is down gives one line."""
     if not (DEBIAN_FMNIST / "t10k-labels-idx1-ubyte.gz").is_file():
         if os.environ.get("CI"):
             pytest.fail("CI must install Debian's dataset-fashion-mnist")
@@ -88,41 +144,55 @@ def test_fashionmnist_is_downloaded_once_per_machine(tmp_path):
     try:
         out, data = tmp_path / "rec", tmp_path / "data"
         env = {"FMNIST_MIRROR": f"http://127.0.0.1:{server.server_port}/", "no_proxy": "127.0.0.1"}
-        run(torchrun("tests/recorded.py", 2, out, "ddp_fashionmnist.py", "--cpu", "--data", data,
-                     "--epochs", 1, "--max-steps", 2, "--metrics-out", tmp_path / "m.json"),
-            timeout=180, env=env)
+        run(
+            torchrun(
+                "tests/recorded.py",
+                2,
+                out,
+                "ddp_fashionmnist.py",
+                "--cpu",
+                "--data",
+                data,
+                "--epochs",
+                1,
+                "--metrics-out",
+                tmp_path / "m.json",
+            ),
+            timeout=180,
+            env=env,
+        )
     finally:
         server.shutdown()
     downloads = [name for rank in recorded(out, 2) for name in rank["downloads"]]
     assert sorted(downloads) == sorted(f.name for f in DEBIAN_FMNIST.glob("*-ubyte.gz")), downloads
     assert metrics(tmp_path / "m.json")["test_samples"] == 10000
+    env["FMNIST_MIRROR"] = f"http://127.0.0.1:{server.server_port}/"  # shut down now
+    res = run(
+        python(
+            "tests/recorded.py", out, "ddp_fashionmnist.py", "--cpu", "--data", tmp_path / "none"
+        ),
+        timeout=120,
+        env=env,
+        check=False,
+    )
+    assert res.returncode == 1 and last_line(res.stderr).startswith(
+        f"error: FashionMNIST in {tmp_path / 'none'}: "
+    )
+    assert "start |" not in res.stdout
 
 
-@pytest.mark.parametrize("script,flags", [
-    ("ddp_gather.py", ["--cpu", "--nprocs", 2]),
-    ("ddp_fashionmnist.py", ["--nprocs", 2, *FM]),
-    ("ddp_resnet.py", [*RESNET, "--nprocs", 2, "--epochs", 1]),
-    ("dp_resnet.py", [*RESNET[1:-2], "--epochs", 1]),
-])
+@pytest.mark.parametrize(
+    "script,flags",
+    [
+        ("ddp_gather.py", ["--cpu", "--nprocs", 2]),
+        ("ddp_fashionmnist.py", ["--nprocs", 2, *FM[:-4], "--epochs", 1]),
+        ("ddp_resnet.py", [*RESNET, "--nprocs", 2, "--epochs", 1]),
+        ("dp_resnet.py", [*DP, "--epochs", 1]),
+    ],
+)
 def test_a_clean_run_prints_nothing_on_stderr(script, flags, tmp_path):
     """No warning a user would have to read past: among them the ones the tutorials' code gives
     on a CPU (pin_memory=True without a GPU, torchvision's deprecated pretrained=False)."""
     ckpt = ["--ckpt-dir", tmp_path / "ckpt"] if "resnet" in script else []
     res = run(python(script, *flags, *ckpt), timeout=180)
     assert res.stderr == ""
-
-
-def repeated(script: str) -> str:
-    """ddp_setup and cleanup, and the plumbing block from its marker to the end of check_args."""
-    text = (ROOT / script).read_text()
-    setup = text[text.index("def ddp_setup"):text.index("\n\n\n", text.index("def cleanup"))]
-    return setup + text[text.index("# --- plumbing"):text.index("\n\n\n", text.index("def check_args"))]
-
-
-def test_the_repeated_code_is_the_same_in_every_ddp_script():
-    """Each file runs alone, so ddp_setup, cleanup and the launch block are copies. The runs above
-    exercise a fix there (the free port, the backend, the thread split) through one or two of
-    the scripts; this keeps the third from missing it."""
-    copies = {script: repeated(script) for script in ("ddp_gather.py", "ddp_fashionmnist.py", "ddp_resnet.py")}
-    assert "def free_port" in copies["ddp_gather.py"] and "def ddp_setup" in copies["ddp_gather.py"]
-    assert len(set(copies.values())) == 1, "the copies differ"

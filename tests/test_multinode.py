@@ -1,5 +1,7 @@
 """Two torchrun agents as two nodes on loopback (static rendezvous), and elastic restarts."""
+
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -18,15 +20,26 @@ def free_port() -> int:
 
 
 def node(rank: int, port: int, nproc: int, script: str, *flags) -> list:
-    return [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={rank}",
-            f"--nproc-per-node={nproc}", "--master-addr=127.0.0.1", f"--master-port={port}",
-            str(ROOT / script), *map(str, flags)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=2",
+        f"--node-rank={rank}",
+        f"--nproc-per-node={nproc}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={port}",
+        str(ROOT / script),
+        *map(str, flags),
+    ]
 
 
 def two_nodes(nproc: int, script: str, flags0: list, flags1: list, check=True) -> list:
     port = free_port()
-    procs = [start(node(rank, port, nproc, script, *flags), env=ONE_THREAD)
-             for rank, flags in enumerate((flags0, flags1))]
+    procs = [
+        start(node(rank, port, nproc, script, *flags), env=ONE_THREAD)
+        for rank, flags in enumerate((flags0, flags1))
+    ]
     return finish_all(procs, timeout=240, check=check)
 
 
@@ -44,7 +57,11 @@ def test_resnet_across_two_nodes_with_a_shared_checkpoint_folder(uninterrupted, 
     two_nodes(1, "ddp_resnet.py", [*flags, "--metrics-out", out], flags)
     m = metrics(out)
     assert m["world_size"] == 2 and m["epochs_run"] == 3
-    assert sorted(p.name for p in ckpt.glob("epoch_*.pt")) == ["epoch_1.pt", "epoch_2.pt", "epoch_3.pt"]
+    assert sorted(p.name for p in ckpt.glob("epoch_*.pt")) == [
+        "epoch_1.pt",
+        "epoch_2.pt",
+        "epoch_3.pt",
+    ]
     # both nodes reloaded rank 0's checkpoints and trained on: the weights of one machine's run
     same_weights(uninterrupted[0] / "epoch_3.pt", ckpt / "epoch_3.pt")
 
@@ -52,12 +69,35 @@ def test_resnet_across_two_nodes_with_a_shared_checkpoint_folder(uninterrupted, 
 def test_only_global_rank_0_writes_checkpoints(tmp_path):
     """Node 1 has LOCAL_RANK 0 too; with a folder node 0 cannot see, it finds nothing to reload."""
     a, b = tmp_path / "node0", tmp_path / "node1"
-    results = two_nodes(1, "ddp_resnet.py", [*RESNET, "--epochs", 2, "--ckpt-dir", a],
-                        [*RESNET, "--epochs", 2, "--ckpt-dir", b], check=False)
+    results = two_nodes(
+        1,
+        "ddp_resnet.py",
+        [*RESNET, "--epochs", 2, "--ckpt-dir", a],
+        [*RESNET, "--epochs", 2, "--ckpt-dir", b],
+        check=False,
+    )
     assert all(r.returncode != 0 for r in results)
     assert (a / "epoch_1.pt").is_file()
-    assert not list(b.glob("epoch_*.pt"))  # node 1 wrote nothing
-    assert f"error: cannot load checkpoint {b / 'epoch_1.pt'}" in results[1].stderr
+    assert not list(b.glob("epoch_*"))  # node 1 wrote nothing
+    assert f"No such file or directory: '{b / 'epoch_1.pt'}'" in results[1].stderr
+
+
+def test_rank_0_decides_where_every_rank_resumes(uninterrupted, tmp_path):
+    """Node 1 sees a stale epoch_7.pt that node 0 does not (its folder links node 0's files, plus
+    one extra). Had each rank picked its start from its own listing, node 1 would skip to epoch 8
+    and node 0 would wait for it; rank 0's choice, epoch 2, holds for both."""
+    a, b = tmp_path / "node0", tmp_path / "node1"
+    a.mkdir(), b.mkdir()
+    (a / "epoch_1.pt").write_bytes((uninterrupted[0] / "epoch_1.pt").read_bytes())
+    for epoch in (1, 2, 3):
+        (b / f"epoch_{epoch}.pt").symlink_to(
+            a / f"epoch_{epoch}.pt"
+        )  # 2 and 3: once rank 0 saves them
+    (b / "epoch_7.pt").write_bytes((uninterrupted[0] / "epoch_1.pt").read_bytes())
+    flags = [*RESNET, "--epochs", 3, "--resume"]
+    results = two_nodes(1, "ddp_resnet.py", [*flags, "--ckpt-dir", a], [*flags, "--ckpt-dir", b])
+    assert results[0].stdout.splitlines()[0].endswith("| epochs 2-3")
+    same_weights(uninterrupted[0] / "epoch_3.pt", a / "epoch_3.pt")
 
 
 @pytest.fixture
@@ -66,19 +106,28 @@ def two_hosts():
     exist only inside this test. Needs root (CAP_NET_ADMIN), as CI has."""
     tag = f"{os.getpid() % 100000}"
     names = [f"ddp{tag}a", f"ddp{tag}b"]
-    setup = [["ip", "netns", "add", names[0]], ["ip", "netns", "add", names[1]],
-             ["ip", "link", "add", f"v{names[0]}", "type", "veth", "peer", "name", f"v{names[1]}"]]
+    setup = [
+        ["ip", "netns", "add", names[0]],
+        ["ip", "netns", "add", names[1]],
+        ["ip", "link", "add", f"v{names[0]}", "type", "veth", "peer", "name", f"v{names[1]}"],
+    ]
     for i, name in enumerate(names):
-        setup += [["ip", "link", "set", f"v{name}", "netns", name],
-                  ["ip", "-n", name, "addr", "add", f"10.213.0.{i + 1}/24", "dev", f"v{name}"],
-                  ["ip", "-n", name, "link", "set", f"v{name}", "up"],
-                  ["ip", "-n", name, "link", "set", "lo", "up"]]
+        setup += [
+            ["ip", "link", "set", f"v{name}", "netns", name],
+            ["ip", "-n", name, "addr", "add", f"10.213.0.{i + 1}/24", "dev", f"v{name}"],
+            ["ip", "-n", name, "link", "set", f"v{name}", "up"],
+            ["ip", "-n", name, "link", "set", "lo", "up"],
+        ]
     try:
         for cmd in setup:
             if subprocess.run(cmd, capture_output=True).returncode != 0:
                 if os.environ.get("CI"):
-                    pytest.fail(f"CI runs as root and must build namespaces: {' '.join(cmd)} failed")
-                pytest.skip(f"cannot create network namespaces here ({' '.join(cmd)} failed; needs root)")
+                    pytest.fail(
+                        f"CI runs as root and must build namespaces: {' '.join(cmd)} failed"
+                    )
+                pytest.skip(
+                    f"cannot create network namespaces here ({' '.join(cmd)} failed; needs root)"
+                )
         yield names
     finally:
         for name in names:
@@ -91,31 +140,65 @@ def test_two_network_namespaces_as_two_hosts(two_hosts, uninterrupted, tmp_path)
     port, out, ckpt = free_port(), tmp_path / "m.json", tmp_path / "ckpt"
     procs = []
     for rank, ns in enumerate(two_hosts):
-        cmd = node(rank, port, 1, "ddp_resnet.py", *RESNET, "--epochs", 2, "--ckpt-dir", ckpt,
-                   *(["--metrics-out", out] if rank == 0 else []))
+        cmd = node(
+            rank,
+            port,
+            1,
+            "ddp_resnet.py",
+            *RESNET,
+            "--epochs",
+            2,
+            "--ckpt-dir",
+            ckpt,
+            *(["--metrics-out", out] if rank == 0 else []),
+        )
         cmd[cmd.index("--master-addr=127.0.0.1")] = "--master-addr=10.213.0.1"
-        procs.append(start(["ip", "netns", "exec", ns, "env", f"GLOO_SOCKET_IFNAME=v{ns}", *cmd], env=ONE_THREAD))
+        procs.append(
+            start(
+                ["ip", "netns", "exec", ns, "env", f"GLOO_SOCKET_IFNAME=v{ns}", *cmd],
+                env=ONE_THREAD,
+            )
+        )
     finish_all(procs, timeout=240)
     assert metrics(out)["world_size"] == 2
     same_weights(uninterrupted[0] / "epoch_2.pt", ckpt / "epoch_2.pt")
 
 
 def test_elastic_restart_resumes_and_matches_an_uninterrupted_run(uninterrupted, tmp_path):
-    """torchrun --max-restarts=1 with rank 0 SIGKILLed after epoch 2: the new workers resume
+    """torchrun --max-restarts=1 with rank 0 SIGKILLed after epoch 1: the new workers resume
     from the newest checkpoint and end with the weights of a run that was never interrupted."""
     ckpt = tmp_path / "elastic"
-    agent = start([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                   "--max-restarts=1", str(ROOT / "ddp_resnet.py"), *map(str, RESNET), "--epochs", "4",
-                   "--resume", "--ckpt-dir", str(ckpt)],
-                  env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **ONE_THREAD})  # see README: gloo needs it
+    agent = start(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node=2",
+            "--max-restarts=1",
+            str(ROOT / "ddp_resnet.py"),
+            *map(str, RESNET),
+            "--epochs",
+            "3",
+            "--resume",
+            "--ckpt-dir",
+            str(ckpt),
+        ],
+        env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **ONE_THREAD},
+    )  # see README: gloo needs it
     deadline = time.monotonic() + 180
-    while not (ckpt / "epoch_2.pt").exists() and time.monotonic() < deadline and agent.poll() is None:
+    while (
+        not (ckpt / "epoch_1.pt").exists() and time.monotonic() < deadline and agent.poll() is None
+    ):
         time.sleep(0.05)
     with open(f"/proc/{agent.pid}/task/{agent.pid}/children") as f:
         workers = [int(c) for c in f.read().split()]
     assert len(workers) == 2, workers
-    rank0 = next(w for w in workers if b"\0RANK=0\0" in b"\0" + open(f"/proc/{w}/environ", "rb").read())
-    os.kill(rank0, signal.SIGKILL)  # the one holding the folder's lock: the new rank 0 takes it
+    rank0 = next(
+        w for w in workers if b"\0RANK=0\0" in b"\0" + open(f"/proc/{w}/environ", "rb").read()
+    )
+    os.kill(rank0, signal.SIGKILL)
     res = finish(agent, timeout=300)
-    assert "--resume: no checkpoint" in res.stdout and "--resume: continuing after" in res.stdout
-    same_weights(uninterrupted[0] / "epoch_4.pt", ckpt / "epoch_4.pt")
+    starts = [line for line in res.stdout.splitlines() if line.startswith("start |")]
+    assert starts[0].endswith("| epochs 1-3") and re.search(r"\| epochs [23]-3$", starts[1]), starts
+    same_weights(uninterrupted[0] / "epoch_3.pt", ckpt / "epoch_3.pt")

@@ -46,7 +46,7 @@ def test_ddp_run_prints_saves_and_reports(uninterrupted):
         "device": "cpu",
         "model": "ResNet",
         "epochs_run": 3,
-        "steps": 6,
+        "steps": 2,
     }
     assert math.isfinite(m["final_loss"]) and m["images_per_sec"] > 0
     assert m["checkpoint"] == str(folder / "epoch_3.pt")
@@ -54,7 +54,7 @@ def test_ddp_run_prints_saves_and_reports(uninterrupted):
     lines = out.splitlines()
     assert lines[0] == (
         "start | script ddp_resnet.py | world_size 2 | device cpu | backend gloo | model ResNet "
-        "| 12800 images | 2 steps x epochs 1-3"
+        "| steps 2 | epochs 1-3"
     )
     assert [line.split(" |")[0] for line in lines[1:]] == ["epoch 1/3"] * 3 + ["epoch 2/3"] * 3 + [
         "epoch 3/3"
@@ -91,7 +91,7 @@ def test_resume_ends_where_an_unbroken_run_ends(uninterrupted, tmp_path):
         timeout=TIMEOUT,
         env=ONE_THREAD,
     )
-    assert res.stdout.splitlines()[0].endswith("| 2 steps x epochs 2-3")
+    assert res.stdout.splitlines()[0].endswith("| steps 2 | epochs 2-3")
     same_weights(uninterrupted[0] / "epoch_3.pt", tmp_path / "epoch_3.pt")
     res = run(
         command("ddp_resnet.py", "--epochs", 3, "--ckpt-dir", tmp_path, "--resume"), timeout=TIMEOUT
@@ -123,7 +123,9 @@ def test_a_fresh_run_refuses_a_folder_with_checkpoints(script, tmp_path):
     if script == "dp_resnet.py":
         check_checkpoints(ckpt, [1, 2, 3])
         res = run(command(script, "--epochs", 4, "--ckpt-dir", ckpt, "--resume"), timeout=TIMEOUT)
-        assert res.stdout.splitlines()[0].endswith("x epochs 4-4") and (ckpt / "epoch_4.pt").is_file()
+        assert (
+            res.stdout.splitlines()[0].endswith("x epochs 4-4") and (ckpt / "epoch_4.pt").is_file()
+        )
 
 
 class Mkdir:

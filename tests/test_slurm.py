@@ -1,6 +1,7 @@
 """On a SLURM cluster: the README's sbatch recipe trains and writes its checkpoints, and
 `srun -n 2` of a bare script is refused. A real SLURM (slurmctld, slurmd, munged on this
 machine, loopback only) started by the `slurm` fixture of tests/slurm.py."""
+
 import os
 import re
 import sys
@@ -9,18 +10,25 @@ from pathlib import Path
 from conftest import ROOT, metrics, run
 from slurm import slurm  # noqa: F401 (the fixture)
 
-REFUSAL = ("error: started as one of 2 SLURM tasks, each a job of its own; run one task per node, "
-           "each running torchrun (README: On a SLURM cluster)")
+REFUSAL = "error: srun -n N starts N separate jobs; run torchrun once per node (README)"
 
 
 def client_env(slurm, **more) -> dict:
     # the venv's torchrun and python for the job, as for a user who submits with it active
-    return {**slurm.env, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}", **more}
+    return {
+        **slurm.env,
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        **more,
+    }
 
 
 def test_srun_of_two_tasks_is_refused(slurm):
-    res = run(["srun", "-n", "2", sys.executable, str(ROOT / "ddp_gather.py"), "--cpu"], timeout=120,
-              env=client_env(slurm), check=False)
+    res = run(
+        ["srun", "-n", "2", sys.executable, str(ROOT / "ddp_gather.py"), "--cpu"],
+        timeout=120,
+        env=client_env(slurm),
+        check=False,
+    )
     assert res.returncode != 0
     assert [line for line in res.stderr.splitlines() if line.startswith("error:")] == [REFUSAL] * 2
     assert "gathered" not in res.stdout
@@ -33,14 +41,40 @@ def test_the_readme_sbatch_recipe_trains_on_every_node(slurm, tmp_path):
     job = tmp_path / "ddp_resnet.sbatch"
     job.write_text(recipe.group(1))
     nodes, ckpt = len(slurm.nodes), tmp_path / "ckpt"
-    res = run([str(a) for a in ["sbatch", "--wait", f"--nodes={nodes}", f"--cpus-per-task={max(1, os.cpu_count() // nodes)}",
-               f"--output={tmp_path}/job.out", job, "--cpu", "--arch", "resnet18", "--image-size", 32,
-               "--batch-size", 4, "--epochs", 2, "--max-steps", 2, "--synthetic-size", 32,
-               "--num-classes", 10, "--timeout", 60, "--metrics-out", tmp_path / "m.json"]],
-              timeout=300, env=client_env(slurm, CKPT_DIR=str(ckpt)), check=False)
+    res = run(
+        [
+            str(a)
+            for a in [
+                "sbatch",
+                "--wait",
+                f"--nodes={nodes}",
+                f"--cpus-per-task={max(1, os.cpu_count() // nodes)}",
+                f"--output={tmp_path}/job.out",
+                job,
+                "--cpu",
+                "--arch",
+                "resnet18",
+                "--image-size",
+                32,
+                "--batch-size",
+                4,
+                "--epochs",
+                2,
+                "--max-steps",
+                2,
+                "--timeout",
+                60,
+                "--metrics-out",
+                tmp_path / "m.json",
+            ]
+        ],
+        timeout=300,
+        env=client_env(slurm, CKPT_DIR=str(ckpt)),
+        check=False,
+    )
     out = (tmp_path / "job.out").read_text() if (tmp_path / "job.out").exists() else ""
     assert res.returncode == 0, res.stderr + out
     m = metrics(tmp_path / "m.json")
     assert m["world_size"] == nodes * max(1, os.cpu_count() // nodes) and m["epochs_run"] == 2
     assert sorted(p.name for p in ckpt.glob("epoch_*.pt")) == ["epoch_1.pt", "epoch_2.pt"]
-    assert re.search(r"^done \| epochs 2 \|", out, re.M), out
+    assert re.search(r"^done \| epochs_run 2 \|", out, re.M), out
