@@ -48,7 +48,7 @@ def load_datasets(args: argparse.Namespace) -> tuple[Dataset, Dataset]:
     if args.synthetic:  # random data of FashionMNIST's shapes, the same on every rank (seed 0)
         x, y = torch.rand(70000, 1, 28, 28), torch.randint(10, (70000,))
         return TensorDataset(x[:60000], y[:60000]), TensorDataset(x[60000:], y[60000:])
-    sets = [datasets.FashionMNIST(args.data, train=train) for train in (True, False)]
+    sets = [datasets.FashionMNIST(args.data, train=split) for split in (True, False)]
     # fixed: the tutorial's ToTensor() and then torch.div(images, 255.) scaled them twice
     return tuple(TensorDataset(s.data.unsqueeze(1) / 255, s.targets) for s in sets)
 
@@ -146,7 +146,7 @@ def launch(main, args: argparse.Namespace) -> None:  # torchrun: we are one rank
         os.environ["WORLD_SIZE"] = str(args.nprocs)  # the ranks inherit the environment
         os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() // args.nprocs or 1))  # cores
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        with socket.socket() as s:  # port 0: the OS picks a free one (a fixed 12355 collides)
+        with socket.socket() as s:  # fixed: not the tutorials' 12355 (it collides): a free port
             s.bind((os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", 0))))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         mp.spawn(main, (args,), nprocs=args.nprocs)  # one rank fails: SIGTERM to the others
@@ -183,8 +183,8 @@ if __name__ == "__main__":
     # fixed: the tutorial had every rank download at once; here one process per machine, first
     if not args.synthetic and os.environ.get("LOCAL_RANK", "0") == "0":
         try:
-            for train in (True, False):  # reads what is there, downloads what is not
-                datasets.FashionMNIST(args.data, train=train, download=True)
+            for split in (True, False):  # reads what is there, downloads what is not
+                datasets.FashionMNIST(args.data, train=split, download=True)
         except Exception as e:  # no network, a damaged file
             sys.exit(f"error: FashionMNIST in {args.data}: {' '.join(str(e).split())}")
     launch(main, args)

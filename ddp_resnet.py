@@ -198,7 +198,7 @@ def launch(main, args: argparse.Namespace) -> None:  # torchrun: we are one rank
         os.environ["WORLD_SIZE"] = str(args.nprocs)  # the ranks inherit the environment
         os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() // args.nprocs or 1))  # cores
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        with socket.socket() as s:  # port 0: the OS picks a free one (a fixed 12355 collides)
+        with socket.socket() as s:  # fixed: not the tutorials' 12355 (it collides): a free port
             s.bind((os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", 0))))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         mp.spawn(main, (args,), nprocs=args.nprocs)  # one rank fails: SIGTERM to the others

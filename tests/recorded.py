@@ -39,11 +39,11 @@ def recording(cls):
 for cls in (DistributedSampler, RandomSampler):
     recording(cls)
 
-loss_forward, loader_iter = torch.nn.CrossEntropyLoss.forward, DataLoader.__iter__
+cross_entropy, loader_iter = torch.nn.functional.cross_entropy, DataLoader.__iter__
 
 
-def forward(self, *inputs):
-    loss = loss_forward(self, *inputs)
+def loss_of(*inputs, **kwargs):  # CrossEntropyLoss calls it too
+    loss = cross_entropy(*inputs, **kwargs)
     seen["losses"].append([len(seen["draws"]), loss.item()])  # 1: the first pass's steps
     return loss
 
@@ -53,7 +53,7 @@ def loader(self):
     return loader_iter(self)
 
 
-torch.nn.CrossEntropyLoss.forward, DataLoader.__iter__ = forward, loader
+torch.nn.functional.cross_entropy, DataLoader.__iter__ = loss_of, loader
 if os.environ.get("FMNIST_MIRROR"):
     FashionMNIST = torchvision.datasets.FashionMNIST
     FashionMNIST.mirrors = [os.environ["FMNIST_MIRROR"]]

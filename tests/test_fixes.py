@@ -17,6 +17,7 @@ from conftest import (
     RESNET,
     finish,
     last_line,
+    lines,
     metrics,
     python,
     run,
@@ -68,19 +69,19 @@ def test_each_epoch_a_new_order_each_rank_its_own_share_the_loss_of_all(script, 
 def test_spawned_ranks_share_the_cores():
     """Two ranks on this machine: each gets half the cores (OMP_NUM_THREADS), not all of them."""
     proc = start(python("ddp_fashionmnist.py", "--nprocs", 2, *FM[:-4], "--epochs", 50))
+    for _ in lines(proc, 120, until=lambda line: line.startswith("start |")):
+        pass  # the ranks are up
     deadline, seen = time.monotonic() + 60, {}
     while len(seen) < 2 and time.monotonic() < deadline:
         for pid in tagged(proc.mark):
             try:
-                environ = dict(
-                    v.split("=", 1)
-                    for v in open(f"/proc/{pid}/environ").read().split("\0")
-                    if "=" in v
-                )
+                cmdline, environ = (open(f"/proc/{pid}/{f}").read() for f in ("cmdline", "environ"))
             except OSError:
                 continue
-            if "RANK" in environ:  # a rank, not the launcher or the resource tracker
-                seen[pid] = environ.get("OMP_NUM_THREADS")
+            if "spawn_main" in cmdline:  # a rank, not the launcher or the resource tracker
+                seen[pid] = dict(v.split("=", 1) for v in environ.split("\0") if "=" in v).get(
+                    "OMP_NUM_THREADS"
+                )
         time.sleep(0.2)
     os.killpg(proc.pid, 2)
     finish(proc, timeout=60, check=False)
@@ -163,6 +164,7 @@ def test_fashionmnist_is_downloaded_once_per_machine(tmp_path):
         )
     finally:
         server.shutdown()
+        server.server_close()  # refused from now on
     downloads = [name for rank in recorded(out, 2) for name in rank["downloads"]]
     assert sorted(downloads) == sorted(f.name for f in DEBIAN_FMNIST.glob("*-ubyte.gz")), downloads
     assert metrics(tmp_path / "m.json")["test_samples"] == 10000
