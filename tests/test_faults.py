@@ -133,7 +133,9 @@ def test_killed_rank_ends_the_job_within_seconds(launcher):
 
 
 def test_hung_rank_ends_the_job_after_the_timeout():
-    """A stopped rank never reaches the next collective: the other gives up after --timeout."""
+    """A stopped rank never reaches the next collective: the other gives up after --timeout and
+    the job ends with that error. (The stopped rank is let go once the timeout has passed, so
+    that mp.spawn's SIGTERM reaches it at once rather than its SIGKILL 30 s later.)"""
     proc = start(
         python(
             "ddp_fashionmnist.py",
@@ -148,12 +150,15 @@ def test_hung_rank_ends_the_job_after_the_timeout():
         )
     )
     victim = wait_for_ranks(proc, 2, under_torchrun=False)[1]
-    time.sleep(3)
+    time.sleep(8)  # into training
     os.kill(victim, signal.SIGSTOP)
     stopped = time.monotonic()
-    res = finish(proc, timeout=120, check=False)
+    time.sleep(5 + 3)
+    assert proc.poll() is None or proc.returncode != 0
+    os.kill(victim, signal.SIGCONT)
+    res = finish(proc, timeout=60, check=False)
     took = time.monotonic() - stopped
-    assert res.returncode != 0 and 5 <= took < 5 + 40, took
+    assert res.returncode != 0 and took < 5 + 20, took
     assert "timed out" in res.stderr.lower()
 
 

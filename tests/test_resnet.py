@@ -9,7 +9,19 @@ import pytest
 import torch
 import torchvision
 
-from conftest import DP, ONE_THREAD, RESNET, last_line, metrics, python, run, same_weights, torchrun
+from conftest import (
+    DP,
+    ONE_THREAD,
+    RESNET,
+    finish,
+    last_line,
+    metrics,
+    python,
+    run,
+    same_weights,
+    start,
+    torchrun,
+)
 
 TIMEOUT = 180
 
@@ -158,12 +170,16 @@ def test_a_bad_checkpoint_on_resume_is_one_line_naming_its_cause(script, uninter
             "Weights only load failed",
         ),
     }
-    for name, (data, flags, cause) in cases.items():
+    procs = {}  # all at once: each stops before training, in its own folder
+    for name, (data, flags, _) in cases.items():
         folder = tmp_path / name.replace(" ", "_")
         folder.mkdir()
         (folder / "epoch_1.pt").write_bytes(data)
-        cmd = command(script, "--epochs", 2, "--ckpt-dir", folder, "--resume")
-        res = run(cmd + flags, timeout=TIMEOUT, check=False)
+        procs[name] = start(
+            command(script, "--epochs", 2, "--ckpt-dir", folder, "--resume", *flags)
+        )
+    for name, (_, _, cause) in cases.items():
+        folder, res = tmp_path / name.replace(" ", "_"), finish(procs[name], TIMEOUT, check=False)
         assert res.returncode == 1, name
         assert last_line(res.stderr).startswith(
             f"error: cannot resume from {folder / 'epoch_1.pt'}: "
@@ -199,10 +215,11 @@ def test_bad_input_is_one_line_and_nothing_starts(script, tmp_path):
         ),
         (["--batch-size", 13000], 1, "error: 12800 images, too few for --batch-size 13000"),
     ]
-    for flags, code, line in cases:
-        res = run(
-            command(script, "--ckpt-dir", tmp_path / "ck", *flags), timeout=TIMEOUT, check=False
-        )
+    procs = [
+        start(command(script, "--ckpt-dir", tmp_path / "ck", *f)) for f, _, _ in cases
+    ]  # at once
+    for proc, (flags, code, line) in zip(procs, cases, strict=True):
+        res = finish(proc, TIMEOUT, check=False)
         assert res.returncode == code, (flags, res.stderr)
         assert line in last_line(res.stderr), (flags, res.stderr)
         assert "start |" not in res.stdout

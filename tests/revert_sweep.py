@@ -1,0 +1,265 @@
+"""Put each tutorial line back, one at a time, in a scratch copy of the committed scripts, and
+run the tests that should catch it. One Markdown row per revert: the tests that failed, which
+must never be none (the README's table of fixes comes from it). About 15 minutes on 2 cores.
+
+    python tests/revert_sweep.py [NAME-PART ...]   # all reverts, or those whose name has a part
+"""
+
+import os
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+HEAD = pathlib.Path(__file__).resolve().parent.parent
+PY = sys.executable
+R = [
+    (
+        "gather: `[1, 2, 3] + rank`",
+        "ddp_gather.py",
+        "[x + rank for x in [1, 2, 3]]",
+        "[1, 2, 3] + rank",
+        "tests/test_gather.py::test_all_gather_object_rank_order",
+    ),
+    (
+        "gather: nccl on CPU",
+        "ddp_gather.py",
+        '("nccl" if cuda else "gloo")',
+        '"nccl"',
+        "tests/test_gather.py::test_all_gather_object_rank_order",
+    ),
+    (
+        "gather: port 12355",
+        "ddp_gather.py",
+        'os.environ["MASTER_PORT"] = str(s.getsockname()[1])',
+        'os.environ["MASTER_PORT"] = "12355"',
+        "tests/test_faults.py::test_busy_default_ports_and_two_runs_at_once",
+    ),
+    (
+        "fm: every rank all cores",
+        "ddp_fashionmnist.py",
+        'os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() // args.nprocs or 1))',
+        "pass",
+        "tests/test_fixes.py::test_spawned_ranks_share_the_cores",
+    ),
+    (
+        "fm: import mlflow",
+        "ddp_fashionmnist.py",
+        "import argparse\n",
+        "import argparse\nimport mlflow\n",
+        "tests/test_fashionmnist.py::test_both_launchers_and_each_test_image_once",
+    ),
+    (
+        "fm: second / 255",
+        "ddp_fashionmnist.py",
+        "images, labels = images.to(device), labels.to(device)",
+        "images, labels = torch.div(images, 255.0).to(device), labels.to(device)",
+        "tests/test_fashionmnist.py::test_real_fashionmnist_reaches_the_tutorials_accuracy",
+    ),
+    (
+        "fm: pin_memory=True",
+        "ddp_fashionmnist.py",
+        'pin_memory=device.type == "cuda"',
+        "pin_memory=True",
+        "tests/test_fixes.py::test_a_clean_run_prints_nothing_on_stderr",
+    ),
+    (
+        "fm: no set_epoch",
+        "ddp_fashionmnist.py",
+        "        train_loader.sampler.set_epoch(epoch)",
+        "        pass",
+        "tests/test_fixes.py::test_each_epoch_a_new_order_each_rank_its_own_share_the_loss_of_all",
+    ),
+    (
+        "fm: rank 0's loss",
+        "ddp_fashionmnist.py",
+        "running_loss.item() / len(train_loader) / dist.get_world_size()",
+        "running_loss.item() / len(train_loader)",
+        "tests/test_fixes.py::test_each_epoch_a_new_order_each_rank_its_own_share_the_loss_of_all",
+    ),
+    (
+        "fm: every rank downloads",
+        "ddp_fashionmnist.py",
+        'if not args.synthetic and os.environ.get("LOCAL_RANK", "0") == "0":',
+        "if not args.synthetic:",
+        "tests/test_fixes.py::test_fashionmnist_is_downloaded_once_per_machine",
+    ),
+    (
+        "fm: DistributedSampler for test()",
+        "ddp_fashionmnist.py",
+        "DataLoader(share, batch_size=batch_size)",
+        "DataLoader(test_set, batch_size=batch_size, sampler=DistributedSampler(test_set))",
+        "tests/test_fashionmnist.py::test_both_launchers_and_each_test_image_once",
+    ),
+    (
+        "ddp: drop_last=False",
+        "ddp_resnet.py",
+        "drop_last=True",
+        "drop_last=False",
+        "tests/test_faults.py::test_dataset_not_divisible_by_world_size",
+    ),
+    (
+        "ddp: no set_epoch",
+        "ddp_resnet.py",
+        "    dataloader.sampler.set_epoch(epoch)",
+        "    pass",
+        "tests/test_fixes.py::test_each_epoch_a_new_order_each_rank_its_own_share_the_loss_of_all",
+    ),
+    (
+        "ddp: rank 0's loss",
+        "ddp_resnet.py",
+        "    dist.all_reduce(total)",
+        "    total *= dist.get_world_size()",
+        "tests/test_fixes.py::test_each_epoch_a_new_order_each_rank_its_own_share_the_loss_of_all",
+    ),
+    (
+        "ddp: 4 * GPUs workers",
+        "ddp_resnet.py",
+        "kwargs = dict(num_workers=args.workers,",
+        "kwargs = dict(num_workers=4 * torch.cuda.device_count(),",
+        "tests/test_fixes.py::test_each_epoch_a_new_order_each_rank_its_own_share_the_loss_of_all",
+    ),
+    (
+        "ddp: range(1, epochs)",
+        "ddp_resnet.py",
+        "range(start.item(), args.epochs + 1)",
+        "range(start.item(), args.epochs)",
+        "tests/test_resnet.py::test_ddp_run_prints_saves_and_reports",
+    ),
+    (
+        "ddp: LOCAL_RANK 0 writes",
+        "ddp_resnet.py",
+        "if dist.get_rank() == 0:  # the global rank",
+        'if os.environ.get("LOCAL_RANK", "0") == "0":  # the global rank',
+        "tests/test_multinode.py::test_only_global_rank_0_writes_checkpoints",
+    ),
+    (
+        "ddp: file.touch()",
+        "ddp_resnet.py",
+        'tmp, buffer = file.with_name(file.name + ".tmp"), io.BytesIO()',
+        'tmp, buffer = file.with_name(file.name + ".tmp"), io.BytesIO()\n    file.touch()',
+        "tests/test_faults.py::test_ctrl_c_mid_epoch_then_during_a_save_then_resume",
+    ),
+    (
+        "ddp: no barrier",
+        "ddp_resnet.py",
+        "    dist.barrier()  # before the load",
+        "    pass  # before the load",
+        "tests/test_resnet.py::test_ddp_run_prints_saves_and_reports tests/test_resnet.py::test_resume_ends_where_an_unbroken_run_ends",
+    ),
+    (
+        "ddp: weights_only=False",
+        "ddp_resnet.py",
+        'torch.load(file, map_location="cpu", weights_only=True)',
+        'torch.load(file, map_location="cpu", weights_only=False)',
+        "tests/test_resnet.py::test_a_bad_checkpoint_on_resume_is_one_line_naming_its_cause",
+    ),
+    (
+        "ddp: pretrained=False",
+        "ddp_resnet.py",
+        "models.get_model(args.arch, weights=None, num_classes=num_classes)",
+        "getattr(models, args.arch)(pretrained=False, num_classes=num_classes)",
+        "tests/test_fixes.py::test_a_clean_run_prints_nothing_on_stderr",
+    ),
+    (
+        "ddp: fresh run takes a used folder",
+        "ddp_resnet.py",
+        "if file and not args.resume:",
+        "if False:",
+        "tests/test_resnet.py::test_a_fresh_run_refuses_a_folder_with_checkpoints",
+    ),
+    (
+        "ddp: empty val share skips",
+        "ddp_resnet.py",
+        "    device, counts = next(model.parameters()).device",
+        "    if not len(share):\n        return {}\n    device, counts = next(model.parameters()).device",
+        "tests/test_validation.py::test_a_rank_with_no_validation_image_still_joins_the_count",
+    ),
+    (
+        "ddp: each rank its own start",
+        "ddp_resnet.py",
+        "        dist.broadcast(start, src=0)",
+        "        pass",
+        "tests/test_multinode.py::test_rank_0_decides_where_every_rank_resumes",
+    ),
+    (
+        "ddp: DistributedSampler for val",
+        "ddp_resnet.py",
+        "DataLoader(share, args.batch_size, num_workers=args.workers)",
+        "DataLoader(val_set, args.batch_size, sampler=DistributedSampler(val_set))",
+        "tests/test_validation.py::test_each_image_scored_once_at_any_world_size",
+    ),
+    (
+        "dp: shuffle=False",
+        "dp_resnet.py",
+        "DataLoader(train_set, args.batch_size, True,",
+        "DataLoader(train_set, args.batch_size, False,",
+        "tests/test_fixes.py::test_dp_reshuffles_every_epoch_from_the_epoch_number",
+    ),
+    (
+        "dp: no reseed per epoch",
+        "dp_resnet.py",
+        "        generator.manual_seed(epoch)",
+        "        pass",
+        "tests/test_fixes.py::test_dp_reshuffles_every_epoch_from_the_epoch_number",
+    ),
+    (
+        "dp: drop_last=False",
+        "dp_resnet.py",
+        "drop_last=True",
+        "drop_last=False",
+        "tests/test_faults.py::test_dataset_not_divisible_by_world_size",
+    ),
+    (
+        "dp: range(1, epochs)",
+        "dp_resnet.py",
+        "range(first, args.epochs + 1)",
+        "range(first, args.epochs)",
+        "tests/test_resnet.py::test_a_fresh_run_refuses_a_folder_with_checkpoints",
+    ),
+    (
+        "dp: file.touch()",
+        "dp_resnet.py",
+        'tmp, buffer = file.with_name(file.name + ".tmp"), io.BytesIO()',
+        'tmp, buffer = file.with_name(file.name + ".tmp"), io.BytesIO()\n    file.touch()',
+        "tests/test_faults.py::test_ctrl_c_mid_epoch_then_during_a_save_then_resume",
+    ),
+    (
+        "dp: weights_only=False",
+        "dp_resnet.py",
+        "weights_only=True)",
+        "weights_only=False)",
+        "tests/test_resnet.py::test_a_bad_checkpoint_on_resume_is_one_line_naming_its_cause",
+    ),
+    (
+        "dp: pretrained=False",
+        "dp_resnet.py",
+        "models.get_model(args.arch, weights=None, num_classes=num_classes)",
+        "getattr(models, args.arch)(pretrained=False, num_classes=num_classes)",
+        "tests/test_fixes.py::test_a_clean_run_prints_nothing_on_stderr",
+    ),
+]
+only = sys.argv[1:]
+for name, script, old, new, tests in R:
+    if only and not any(o in name for o in only):
+        continue
+    work = pathlib.Path(tempfile.mkdtemp(prefix="revert_"))
+    subprocess.run(f"git -C {HEAD} archive HEAD | tar -x -C {work}", shell=True, check=True)
+    text = (work / script).read_text()
+    assert text.count(old) >= 1, (name, old)
+    (work / script).write_text(text.replace(old, new))
+    res = subprocess.run(
+        [PY, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests.split()],
+        cwd=work,
+        capture_output=True,
+        text=True,
+        env={**os.environ, "CI": "true"},
+    )
+    failed = re.findall(r"^FAILED (\S+)|^ERROR (\S+)", res.stdout, re.M)
+    failed = [a or b for a, b in failed]
+    summary = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else res.stderr[-200:]
+    shutil.rmtree(work, ignore_errors=True)
+    names = ", ".join(f.split("::")[-1] for f in failed) or "NONE FAILED"
+    print(f"| {name} | {names} | {summary} |", flush=True)
