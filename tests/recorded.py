@@ -4,10 +4,9 @@
     python tests/recorded.py OUT dp_resnet.py [flags]
 
 Each process runs the script unchanged (as __main__, as the launcher would) and at exit writes
-OUT.RANK.json: per pass over a training sampler its order of indices, the CPU threads the
-process uses, every training loss with the pass it belongs to, each DataLoader's workers and
-the files it downloaded.
-Runs under torchrun only: spawned ranks are fresh interpreters without these recorders.
+OUT.RANK.json: per pass over a training sampler its order of indices, every training loss with
+the pass it belongs to, each DataLoader's workers and the files it downloaded. Spawned ranks
+are fresh interpreters without these recorders: DDP scripts go through torchrun here.
 FMNIST_MIRROR=URL makes torchvision download FashionMNIST from there, without its checksums
 (a local copy of the files stands in for the internet)."""
 
@@ -21,7 +20,7 @@ import torch  # noqa: E402
 import torchvision  # noqa: E402
 from torch.utils.data import DataLoader, DistributedSampler, RandomSampler  # noqa: E402
 
-seen = {"draws": [], "threads": [], "losses": [], "workers": [], "downloads": []}
+seen = {"draws": [], "losses": [], "workers": [], "downloads": []}
 
 
 def recording(cls):
@@ -30,7 +29,6 @@ def recording(cls):
     def __iter__(self):
         order = list(iterate(self))
         seen["draws"].append(order)
-        seen["threads"].append(torch.get_num_threads())
         return iter(order)
 
     cls.__iter__ = __iter__
