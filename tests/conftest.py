@@ -195,7 +195,7 @@ def uninterrupted(tmp_path_factory):
         timeout=180,
         env=ONE_THREAD,
     )
-    return folder, result.stdout
+    return folder, result.stdout, result.stderr
 
 
 def same_weights(a, b) -> None:

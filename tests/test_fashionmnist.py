@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from conftest import DEBIAN_FMNIST, last_line, metrics, python, run, torchrun
+from conftest import DEBIAN_FMNIST, finish, last_line, metrics, python, run, start, torchrun
 
 SMOKE = ["--cpu", "--synthetic", "--epochs", 1, "--timeout", 60]
 
@@ -54,13 +54,24 @@ def test_both_launchers_and_each_test_image_once(tmp_path, launcher, world):
         " img/s"
     )
     assert lines[2] == f"done | test_accuracy {m['test_accuracy']:.4f} (10000 images)"
+    if launcher == "spawn":  # no warning to read past (the tutorial's pin_memory on a CPU)
+        assert res.stderr == ""
 
 
 def test_real_fashionmnist_reaches_the_tutorials_accuracy(tmp_path):
-    """The default run (10 epochs, 2 processes, batch 100 each) on the real data, offline."""
+    """The default run (2 processes, batch 100 each) on the real data, offline, for 3 of its 10
+    epochs: past 0.84 already (scaled twice, as in the tutorial, it is below 0.6)."""
     out = tmp_path / "m.json"
     run(
-        python("ddp_fashionmnist.py", "--data", debian_root(tmp_path), "--metrics-out", out),
+        python(
+            "ddp_fashionmnist.py",
+            "--data",
+            debian_root(tmp_path),
+            "--epochs",
+            3,
+            "--metrics-out",
+            out,
+        ),
         timeout=300,
     )
     m = metrics(out)
@@ -71,21 +82,14 @@ def test_bad_data_is_one_line_before_any_rank_starts(tmp_path):
     root = debian_root(tmp_path / "cut")
     raw = root / "FashionMNIST" / "raw" / "t10k-images-idx3-ubyte"
     raw.write_bytes(raw.read_bytes()[:-1000])  # truncated
-    res = run(python("ddp_fashionmnist.py", "--cpu", "--data", root), timeout=120, check=False)
-    assert res.returncode == 1
-    assert last_line(res.stderr).startswith(f"error: FashionMNIST in {root}: ")
-    assert "start |" not in res.stdout
     (tmp_path / "file").write_text("not a folder")
-    res = run(
-        python("ddp_fashionmnist.py", "--cpu", "--data", tmp_path / "file"),
-        timeout=120,
-        check=False,
-    )
-    assert res.returncode == 1 and last_line(res.stderr).startswith(
-        f"error: FashionMNIST in {tmp_path / 'file'}: "
-    )
-    res = run(python("ddp_fashionmnist.py", "--cpu", "--epochs", 0), timeout=60, check=False)
-    assert (
-        res.returncode == 2
-        and "argument --epochs: expected a whole number above 0" in last_line(res.stderr)
-    )
+    cases = [  # all at once: each stops before any rank starts
+        (["--data", root], 1, f"error: FashionMNIST in {root}: "),
+        (["--data", tmp_path / "file"], 1, f"error: FashionMNIST in {tmp_path / 'file'}: "),
+        (["--epochs", 0], 2, "ddp_fashionmnist.py: error: argument --epochs: expected a whole"),
+    ]
+    procs = [start(python("ddp_fashionmnist.py", "--cpu", *flags)) for flags, _, _ in cases]
+    for proc, (_, code, line) in zip(procs, cases, strict=True):
+        res = finish(proc, timeout=120, check=False)
+        assert res.returncode == code and last_line(res.stderr).startswith(line), res.stderr
+        assert "start |" not in res.stdout

@@ -11,11 +11,13 @@ import subprocess
 import time
 
 import pytest
+import torch
 
 from conftest import (
     ONE_THREAD,
     RESNET,
     finish,
+    finish_all,
     lines,
     metrics,
     python,
@@ -122,7 +124,13 @@ def test_killed_rank_ends_the_job_within_seconds(launcher):
         if launcher == "spawn"
         else torchrun("ddp_fashionmnist.py", 2, *flags)
     )
-    victim = wait_for_ranks(proc, 2, launcher == "torchrun")[1]
+    ranks = wait_for_ranks(proc, 2, launcher == "torchrun")
+    if launcher == "spawn":  # each rank gets its share of the cores, not all of them each
+        threads = [open(f"/proc/{pid}/environ").read().split("\0") for pid in ranks]
+        assert [[v for v in t if v.startswith("OMP_NUM_THREADS=")] for t in threads] == [
+            [f"OMP_NUM_THREADS={max(1, os.cpu_count() // 2)}"]
+        ] * 2
+    victim = ranks[1]
     time.sleep(3)  # into training
     os.kill(victim, signal.SIGKILL)
     killed = time.monotonic()
@@ -150,7 +158,9 @@ def test_hung_rank_ends_the_job_after_the_timeout():
         )
     )
     victim = wait_for_ranks(proc, 2, under_torchrun=False)[1]
-    time.sleep(8)  # into training
+    for _ in lines(proc, 120, until=lambda line: line.startswith("start |")):
+        pass  # the group is up
+    time.sleep(1)  # into training
     os.kill(victim, signal.SIGSTOP)
     stopped = time.monotonic()
     time.sleep(5 + 3)
@@ -220,7 +230,7 @@ def test_dataset_not_divisible_by_world_size(tmp_path):
     data = image_folder(tmp_path / "data", per_class=4)
     (data / "class_2" / "3.png").rename(data / "class_2" / "3.txt")  # 11 images
     out, ckpt = tmp_path / "m.json", tmp_path / "ckpt"
-    run(
+    ddp = start(
         python(
             "ddp_resnet.py",
             "--cpu",
@@ -244,13 +254,11 @@ def test_dataset_not_divisible_by_world_size(tmp_path):
             ckpt,
             "--metrics-out",
             out,
-        ),
-        timeout=240,
+        )
     )
-    m = metrics(out)
-    assert m["steps"] == 1 and m["epochs_run"] == 2 and math.isfinite(m["final_loss"])
-    # DataParallel's one process, 11 images in batches of 5: the last batch of one is dropped too
-    run(
+    # at the same time, DataParallel's one process, 11 images in batches of 5: the last batch of
+    # one is dropped too
+    dp = start(
         python(
             "dp_resnet.py",
             "--cpu",
@@ -266,10 +274,13 @@ def test_dataset_not_divisible_by_world_size(tmp_path):
             data,
             "--ckpt-dir",
             tmp_path / "dp",
-        ),
-        timeout=120,
+        )
     )
+    finish_all([ddp, dp], timeout=240)
+    m = metrics(out)
+    assert m["steps"] == 1 and m["epochs_run"] == 2 and math.isfinite(m["final_loss"])
     assert sorted(p.name for p in ckpt.glob("epoch_*")) == ["epoch_1.pt", "epoch_2.pt"]
+    assert (tmp_path / "dp" / "epoch_1.pt").is_file()
 
 
 # --- checkpoints at the worst moments ---
@@ -325,6 +336,9 @@ def test_ctrl_c_mid_epoch_then_during_a_save_then_resume(how, tmp_path):
     assert time.monotonic() - sent < 15
     interrupted(res, how)
     done = saved(folder)
+    if how == "torchrun":  # the newest checkpoint is whole (resuming from it: as spawned, below)
+        torch.load(folder / f"epoch_{done[-1]}.pt", weights_only=True)
+        return
     res = run(command(how, *flags, "--resume"), timeout=TIMEOUT)
     assert re.search(rf"epochs {done[-1] + 1}-3$", res.stdout.splitlines()[0]), res.stdout
     assert saved(folder) == [1, 2, 3]
