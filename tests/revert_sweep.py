@@ -42,7 +42,7 @@ R = [
         "ddp_fashionmnist.py",
         'os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() // args.nprocs or 1))',
         "pass",
-        "tests/test_fixes.py::test_spawned_ranks_share_the_cores",
+        "tests/test_faults.py::test_killed_rank_ends_the_job_within_seconds",
     ),
     (
         "fm: import mlflow",
@@ -63,7 +63,7 @@ R = [
         "ddp_fashionmnist.py",
         'pin_memory=device.type == "cuda"',
         "pin_memory=True",
-        "tests/test_fixes.py::test_a_clean_run_prints_nothing_on_stderr",
+        "tests/test_fashionmnist.py::test_both_launchers_and_each_test_image_once",
     ),
     (
         "fm: no set_epoch",
@@ -161,7 +161,7 @@ R = [
         "ddp_resnet.py",
         "models.get_model(args.arch, weights=None, num_classes=num_classes)",
         "getattr(models, args.arch)(pretrained=False, num_classes=num_classes)",
-        "tests/test_fixes.py::test_a_clean_run_prints_nothing_on_stderr",
+        "tests/test_resnet.py::test_ddp_run_prints_saves_and_reports",
     ),
     (
         "ddp: fresh run takes a used folder",
@@ -238,7 +238,7 @@ R = [
         "dp_resnet.py",
         "models.get_model(args.arch, weights=None, num_classes=num_classes)",
         "getattr(models, args.arch)(pretrained=False, num_classes=num_classes)",
-        "tests/test_fixes.py::test_a_clean_run_prints_nothing_on_stderr",
+        "tests/test_resnet.py::test_a_fresh_run_refuses_a_folder_with_checkpoints",
     ),
 ]
 only = sys.argv[1:]
