@@ -1,4 +1,4 @@
-"""On a SLURM cluster: the README's sbatch recipe trains and writes its checkpoints, and
+"""On a SLURM cluster: the sbatch recipe of docs/cluster.md trains and writes its checkpoints, and
 `srun -n 2` of a bare script is refused. A real SLURM (slurmctld, slurmd, munged on this
 machine, loopback only) started by the `slurm` fixture of tests/slurm.py."""
 
@@ -51,10 +51,12 @@ def test_srun_of_two_tasks_is_refused(slurm):
     assert "gathered" not in res.stdout
 
 
-def test_the_readme_sbatch_recipe_trains_on_every_node(slurm, tmp_path):
-    """The recipe, unchanged from the README, on CPU: one torchrun per node, c10d rendezvous on
+def test_the_sbatch_recipe_trains_on_every_node(slurm, tmp_path):
+    """The recipe, unchanged from docs/cluster.md, on CPU: one torchrun per node, c10d rendezvous on
     the first node, checkpoints in CKPT_DIR."""
-    recipe = re.search(r"```bash\n(#!/bin/bash\n.*?)```", (ROOT / "README.md").read_text(), re.S)
+    recipe = re.search(
+        r"```bash\n(#!/bin/bash\n.*?)```", (ROOT / "docs" / "cluster.md").read_text(), re.S
+    )
     job = tmp_path / "ddp_resnet.sbatch"
     job.write_text(recipe.group(1))
     nodes, ckpt = len(slurm.nodes), tmp_path / "ckpt"
