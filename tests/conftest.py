@@ -155,20 +155,9 @@ def metrics(path) -> dict:
     return json.loads(Path(path).read_text())
 
 
+TINY = ["--cpu", "--arch", "resnet18", "--image-size", 32]  # a ResNet that trains in seconds
 # resnet18 on 32 px synthetic images, 2 steps an epoch: the small DDP run most tests share
-RESNET = [
-    "--cpu",
-    "--arch",
-    "resnet18",
-    "--image-size",
-    32,
-    "--batch-size",
-    4,
-    "--max-steps",
-    2,
-    "--timeout",
-    60,
-]
+RESNET = [*TINY, "--batch-size", 4, "--max-steps", 2, "--timeout", 60]
 DP = RESNET[1:-2]  # dp_resnet.py: one process, no --timeout
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # the same kernels in every run: bitwise-comparable weights
 

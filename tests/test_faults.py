@@ -16,6 +16,7 @@ import torch
 from conftest import (
     ONE_THREAD,
     RESNET,
+    TINY,
     finish,
     finish_all,
     lines,
@@ -193,11 +194,7 @@ def test_exception_in_one_rank_ends_the_job(tmp_path, launcher):
     a collective. The job ends at once with the cause, and leaves no process behind."""
     data = image_folder(tmp_path / "data", per_class=8, broken=5)
     flags = [
-        "--cpu",
-        "--arch",
-        "resnet18",
-        "--image-size",
-        32,
+        *TINY,
         "--batch-size",
         2,
         "--epochs",
@@ -233,13 +230,9 @@ def test_dataset_not_divisible_by_world_size(tmp_path):
     ddp = start(
         python(
             "ddp_resnet.py",
-            "--cpu",
+            *TINY,
             "--nprocs",
             3,
-            "--arch",
-            "resnet18",
-            "--image-size",
-            32,
             "--batch-size",
             3,
             "--epochs",
@@ -261,11 +254,7 @@ def test_dataset_not_divisible_by_world_size(tmp_path):
     dp = start(
         python(
             "dp_resnet.py",
-            "--cpu",
-            "--arch",
-            "resnet18",
-            "--image-size",
-            32,
+            *TINY,
             "--batch-size",
             5,
             "--epochs",

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import ROOT, metrics, run
+from conftest import ROOT, TINY, metrics, run
 from slurm import slurm  # noqa: F401 (the fixture)
 
 REFUSAL = "error: srun -n N starts N separate jobs; run torchrun once per node (README)"
@@ -71,11 +71,7 @@ def test_the_sbatch_recipe_trains_on_every_node(slurm, tmp_path):
                 f"--cpus-per-task={max(1, os.cpu_count() // nodes)}",
                 f"--output={tmp_path}/job.out",
                 job,
-                "--cpu",
-                "--arch",
-                "resnet18",
-                "--image-size",
-                32,
+                *TINY,
                 "--batch-size",
                 4,
                 "--epochs",

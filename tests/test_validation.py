@@ -6,9 +6,9 @@ import re
 import pytest
 import torch
 
-from conftest import last_line, metrics, python, run
+from conftest import TINY, last_line, metrics, python, run
 
-FLAGS = ["--cpu", "--arch", "resnet18", "--image-size", 32, "--batch-size", 4, "--timeout", 60]
+FLAGS = [*TINY, "--batch-size", 4, "--timeout", 60]
 
 
 def dark_and_bright(root, dark: int, bright: int, seed: int) -> None:
