@@ -60,7 +60,7 @@ def launch(main, args: argparse.Namespace) -> None:  # torchrun: we are one rank
         if "RANK" in os.environ:  # torchrun set RANK, LOCAL_RANK, WORLD_SIZE and MASTER_*
             return record(main)(int(os.environ["LOCAL_RANK"]), args)  # in torchrun's summary
         if int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) > 1:  # srun -n 2 python script.py
-            sys.exit("error: srun -n N starts N separate jobs; run torchrun once per node (README)")
+            sys.exit("error: srun -n N starts N separate jobs; run torchrun once per node")
         if 0 < torch.cuda.device_count() < args.nprocs and not args.cpu:
             sys.exit(f"error: --nprocs {args.nprocs}, but fewer GPUs here; use fewer, or --cpu")
         os.environ["WORLD_SIZE"] = str(args.nprocs)  # the ranks inherit the environment

@@ -13,7 +13,7 @@ import pytest
 from conftest import ROOT, TINY, metrics, run
 from slurm import slurm  # noqa: F401 (the fixture)
 
-REFUSAL = "error: srun -n N starts N separate jobs; run torchrun once per node (README)"
+REFUSAL = "error: srun -n N starts N separate jobs; run torchrun once per node"
 
 
 def client_env(slurm, **more) -> dict:
