@@ -44,7 +44,6 @@ def print0(*args) -> None:
 
 
 def load_datasets(args: argparse.Namespace) -> tuple[Dataset, Dataset]:
-    """The training and test sets as tensors in memory, the images scaled to [0, 1] once."""
     if args.synthetic:  # random data of FashionMNIST's shapes, the same on every rank (seed 0)
         x, y = torch.rand(70000, 1, 28, 28), torch.randint(10, (70000,))
         return TensorDataset(x[:60000], y[:60000]), TensorDataset(x[60000:], y[60000:])
@@ -137,6 +136,7 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
 # --- launching and checks (the same in every DDP script of this collection) ---
 def launch(main, args: argparse.Namespace) -> None:  # torchrun: we are one rank; else spawn
     try:
+        Path(args.metrics_out or ".").parent.mkdir(parents=True, exist_ok=True)  # before training
         if "RANK" in os.environ:  # torchrun set RANK, LOCAL_RANK, WORLD_SIZE and MASTER_*
             return record(main)(int(os.environ["LOCAL_RANK"]), args)  # in torchrun's summary
         if int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) > 1:  # srun -n 2 python script.py
@@ -152,7 +152,7 @@ def launch(main, args: argparse.Namespace) -> None:  # torchrun: we are one rank
         mp.spawn(main, (args,), nprocs=args.nprocs)  # one rank fails: SIGTERM to the others
     except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:  # it said why, or we do
         sys.exit(e.exit_code if getattr(e, "exit_code", 0) > 0 else f"error: {e}")
-    except OSError as e:  # the MASTER_PORT you set is taken (torchrun: this rank's error)
+    except OSError as e:  # a MASTER_PORT you set is taken; --metrics-out's folder cannot be made
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:  # Ctrl-C, or a stop (SIGTERM): every rank got it too
         sys.exit(130)

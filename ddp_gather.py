@@ -12,6 +12,7 @@ import signal
 import socket
 import sys
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,7 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
 # --- launching and checks (the same in every DDP script of this collection) ---
 def launch(main, args: argparse.Namespace) -> None:  # torchrun: we are one rank; else spawn
     try:
+        Path(args.metrics_out or ".").parent.mkdir(parents=True, exist_ok=True)  # before training
         if "RANK" in os.environ:  # torchrun set RANK, LOCAL_RANK, WORLD_SIZE and MASTER_*
             return record(main)(int(os.environ["LOCAL_RANK"]), args)  # in torchrun's summary
         if int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) > 1:  # srun -n 2 python script.py
@@ -72,7 +74,7 @@ def launch(main, args: argparse.Namespace) -> None:  # torchrun: we are one rank
         mp.spawn(main, (args,), nprocs=args.nprocs)  # one rank fails: SIGTERM to the others
     except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:  # it said why, or we do
         sys.exit(e.exit_code if getattr(e, "exit_code", 0) > 0 else f"error: {e}")
-    except OSError as e:  # the MASTER_PORT you set is taken (torchrun: this rank's error)
+    except OSError as e:  # a MASTER_PORT you set is taken; --metrics-out's folder cannot be made
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:  # Ctrl-C, or a stop (SIGTERM): every rank got it too
         sys.exit(130)

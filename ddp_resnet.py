@@ -143,8 +143,7 @@ def run_training_process_on_given_gpu(local_rank: int, args: argparse.Namespace)
     device = ddp_setup(local_rank, args)
     try:
         train_set, val_set, num_classes = load_datasets(args)
-        # fixed: 4 * GPUs workers in every process are 4 * GPUs**2 in all: --workers is per rank.
-        # drop_last: a last batch of one image would break BatchNorm.
+        # fixed: --workers per rank (4 * GPUs each made 4 * GPUs**2); drop_last: BatchNorm needs 2
         kwargs = dict(num_workers=args.workers, pin_memory=device.type == "cuda", drop_last=True)
         sampler = DistributedSampler(train_set, seed=args.seed)  # each rank its shuffled share
         dataloader = DataLoader(train_set, args.batch_size, sampler=sampler, **kwargs)
@@ -189,6 +188,7 @@ def line(head: str, m: dict, *keys: str) -> str:
 # --- launching and checks (the same in every DDP script of this collection) ---
 def launch(main, args: argparse.Namespace) -> None:  # torchrun: we are one rank; else spawn
     try:
+        Path(args.metrics_out or ".").parent.mkdir(parents=True, exist_ok=True)  # before training
         if "RANK" in os.environ:  # torchrun set RANK, LOCAL_RANK, WORLD_SIZE and MASTER_*
             return record(main)(int(os.environ["LOCAL_RANK"]), args)  # in torchrun's summary
         if int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) > 1:  # srun -n 2 python script.py
@@ -204,7 +204,7 @@ def launch(main, args: argparse.Namespace) -> None:  # torchrun: we are one rank
         mp.spawn(main, (args,), nprocs=args.nprocs)  # one rank fails: SIGTERM to the others
     except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:  # it said why, or we do
         sys.exit(e.exit_code if getattr(e, "exit_code", 0) > 0 else f"error: {e}")
-    except OSError as e:  # the MASTER_PORT you set is taken (torchrun: this rank's error)
+    except OSError as e:  # a MASTER_PORT you set is taken; --metrics-out's folder cannot be made
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:  # Ctrl-C, or a stop (SIGTERM): every rank got it too
         sys.exit(130)

@@ -22,7 +22,6 @@ from torchvision import datasets, models
 
 
 def load_datasets(args: argparse.Namespace) -> tuple:
-    """The training set and its number of classes."""
     if not args.data:  # 12,800 random images, 256 distinct ones made once: no decoding
         g, size = torch.Generator().manual_seed(0), args.image_size
         images = TensorDataset(torch.randn(256, 3, size, size, generator=g), torch.arange(256))
@@ -130,10 +129,11 @@ def check_args(args: argparse.Namespace) -> int:
     file = max(saved, key=lambda f: int(f.stem[6:]), default=None)  # the newest
     if file and not args.resume:  # another run's: a later --resume would go on from it
         sys.exit(f"error: {file} exists: add --resume to go on from it, or use another --ckpt-dir")
-    try:
+    try:  # before training, not after: a file in a folder's place, a read-only disk
         Path(args.ckpt_dir).mkdir(parents=True, exist_ok=True)
-    except OSError as e:  # a file in its place
-        sys.exit(f"error: --ckpt-dir {args.ckpt_dir}: {e.strerror}")
+        Path(args.metrics_out or ".").parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        sys.exit(f"error: cannot make the folder {e.filename}: {e.strerror}")
     args.start_epoch = int(file.stem[6:]) + 1 if file else 1
     args.memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     return gpus

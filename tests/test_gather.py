@@ -7,7 +7,7 @@ from conftest import last_line, metrics, python, run, torchrun
 
 @pytest.mark.parametrize("launcher,world", [("spawn", 3), ("torchrun", 2)])
 def test_all_gather_object_rank_order(tmp_path, launcher, world):
-    out = tmp_path / "m.json"
+    out = tmp_path / "new" / "m.json"  # a folder that --metrics-out makes
     flags = ["--cpu", "--metrics-out", out]
     cmd = (
         python("ddp_gather.py", "--nprocs", world, *flags)

@@ -132,10 +132,13 @@ def test_a_fresh_run_refuses_a_folder_with_checkpoints(script, uninterrupted, tm
     )
     if script == "dp_resnet.py":
         check_checkpoints(ckpt, [1, 2, 3])
-        res = run(command(script, "--epochs", 4, "--ckpt-dir", ckpt, "--resume"), timeout=TIMEOUT)
+        out = tmp_path / "new" / "m.json"  # a folder that --metrics-out makes
+        flags = ["--epochs", 4, "--ckpt-dir", ckpt, "--resume", "--metrics-out", out]
+        res = run(command(script, *flags), timeout=TIMEOUT)
         assert (
             res.stdout.splitlines()[0].endswith("x epochs 4-4") and (ckpt / "epoch_4.pt").is_file()
         )
+        assert metrics(out)["epochs_run"] == 1
         assert res.stderr == ""  # no warning to read past (the tutorial's pretrained=False)
 
 
@@ -208,9 +211,16 @@ def test_bad_input_is_one_line_and_nothing_starts(script, tmp_path):
         (
             ["--ckpt-dir", tmp_path / "file"],
             1,
-            f"error: --ckpt-dir {tmp_path / 'file'}: File exists"
+            f"error: cannot make the folder {tmp_path / 'file'}: File exists"
             if script == "dp_resnet.py"
             else f"error: cannot resume from {tmp_path / 'file'}: [Errno 17] File exists: ",
+        ),
+        (  # found before training, not when rank 0 writes it at the end
+            ["--metrics-out", tmp_path / "file" / "m.json"],
+            1,
+            f"error: cannot make the folder {tmp_path / 'file'}: File exists"
+            if script == "dp_resnet.py"
+            else f"error: [Errno 17] File exists: '{tmp_path / 'file'}'",
         ),
         (["--batch-size", 13000], 1, "error: 12800 images, too few for --batch-size 13000"),
     ]
