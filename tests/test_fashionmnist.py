@@ -1,5 +1,5 @@
-"""ddp_fashionmnist.py: both launch paths, the test set counted once, real accuracy, and bad
-data in one line."""
+"""ddp_fashionmnist.py: both launch paths, the test set counted once, and bad data in one line
+(real accuracy: test_fixes.py, on the downloaded files)."""
 
 import gzip
 import os
@@ -56,26 +56,6 @@ def test_both_launchers_and_each_test_image_once(tmp_path, launcher, world):
     assert lines[2] == f"done | test_accuracy {m['test_accuracy']:.4f} (10000 images)"
     if launcher == "spawn":  # no warning to read past (the tutorial's pin_memory on a CPU)
         assert res.stderr == ""
-
-
-def test_real_fashionmnist_reaches_the_tutorials_accuracy(tmp_path):
-    """The default run (2 processes, batch 100 each) on the real data, offline, for 3 of its 10
-    epochs: past 0.84 already (scaled twice, as in the tutorial, it is below 0.6)."""
-    out = tmp_path / "m.json"
-    run(
-        python(
-            "ddp_fashionmnist.py",
-            "--data",
-            debian_root(tmp_path),
-            "--epochs",
-            3,
-            "--metrics-out",
-            out,
-        ),
-        timeout=300,
-    )
-    m = metrics(out)
-    assert m["test_samples"] == 10000 and m["test_accuracy"] >= 0.84, m
 
 
 def test_bad_data_is_one_line_before_any_rank_starts(tmp_path):

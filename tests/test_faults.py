@@ -324,13 +324,10 @@ def test_ctrl_c_mid_epoch_then_during_a_save_then_resume(how, tmp_path):
     res = finish(proc, timeout=30, check=False)
     assert time.monotonic() - sent < 15
     interrupted(res, how)
-    done = saved(folder)
-    if how == "torchrun":  # the newest checkpoint is whole (resuming from it: as spawned, below)
-        torch.load(folder / f"epoch_{done[-1]}.pt", weights_only=True)
-        return
-    res = run(command(how, *flags, "--resume"), timeout=TIMEOUT)
-    assert re.search(rf"epochs {done[-1] + 1}-3$", res.stdout.splitlines()[0]), res.stdout
-    assert saved(folder) == [1, 2, 3]
+    assert re.search(r"epochs 2-3$", res.stdout.splitlines()[0]), res.stdout  # went on from 1
+    done = saved(folder)  # the save under way is either whole or gone; the newest one loads
+    assert done in ([1], [1, 2])  # (--resume from it: test_resnet.py, and after a full disk)
+    torch.load(folder / f"epoch_{done[-1]}.pt", weights_only=True)
 
 
 @pytest.fixture

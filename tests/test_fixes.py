@@ -111,10 +111,12 @@ class Mirror(http.server.SimpleHTTPRequestHandler):
         pass
 
 
-def test_fashionmnist_is_downloaded_once_per_machine(tmp_path):
+def test_fashionmnist_downloaded_once_per_machine_reaches_the_tutorials_accuracy(tmp_path):
     """Under torchrun only local rank 0 downloads, the other rank waits for it; the tutorial
     had every rank download into the same folder at once. A local mirror stands in for the
-    internet; a mirror that is down gives one line."""
+    internet; a mirror that is down gives one line. Then the default run (2 processes, batch 100
+    each) on the real data, for 3 of its 10 epochs: past 0.84 already (with the tutorial's second
+    / 255, below 0.6)."""
     if not (DEBIAN_FMNIST / "t10k-labels-idx1-ubyte.gz").is_file():
         if os.environ.get("CI"):
             pytest.fail("CI must install Debian's dataset-fashion-mnist")
@@ -126,7 +128,7 @@ def test_fashionmnist_is_downloaded_once_per_machine(tmp_path):
         down = s.getsockname()[1]
     out, data = tmp_path / "rec", tmp_path / "data"
     env = {"FMNIST_MIRROR": f"http://127.0.0.1:{server.server_port}/", "no_proxy": "127.0.0.1"}
-    flags = ["--cpu", "--data", data, "--epochs", 1, "--metrics-out", tmp_path / "m.json"]
+    flags = ["--cpu", "--data", data, "--epochs", 3, "--metrics-out", tmp_path / "m.json"]
     try:
         procs = [
             start(torchrun("tests/recorded.py", 2, out, "ddp_fashionmnist.py", *flags), env=env),
@@ -148,7 +150,8 @@ def test_fashionmnist_is_downloaded_once_per_machine(tmp_path):
     assert ok.returncode == 0, ok.stderr[-3000:]
     downloads = [name for rank in recorded(out, 2) for name in rank["downloads"]]
     assert sorted(downloads) == sorted(f.name for f in DEBIAN_FMNIST.glob("*-ubyte.gz")), downloads
-    assert metrics(tmp_path / "m.json")["test_samples"] == 10000
+    m = metrics(tmp_path / "m.json")
+    assert m["test_samples"] == 10000 and m["test_accuracy"] >= 0.84, m
     assert res.returncode == 1 and last_line(res.stderr).startswith(
         f"error: FashionMNIST in {tmp_path / 'no'}: "
     )
