@@ -19,6 +19,10 @@ MARK = "DDP_COLLECTION_TEST_RUN"  # every process of a run inherits it: how left
 # Hermetic on a GPU machine too: the tests are written for CPU runs (a test that wants a GPU
 # would pass its own CUDA_VISIBLE_DEVICES), and every run inherits this.
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
+# Started in the background (`cmd &` in a script), pytest ignores Ctrl-C, and so would every run
+# it starts: exec keeps an ignored signal. The tests send Ctrl-C as a terminal does.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def start(args: list, cwd=None, env=None, preexec_fn=None) -> subprocess.Popen:
