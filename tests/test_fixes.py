@@ -33,6 +33,7 @@ def recorded(out, ranks: int) -> list:
     return [json.loads(out.with_name(f"{out.name}.{r}.json").read_text()) for r in range(ranks)]
 
 
+@pytest.mark.learned  # rank 0's mean loss apart from both ranks' by far more than 1e-4
 @pytest.mark.parametrize("script", ["ddp_fashionmnist.py", "ddp_resnet.py"])
 def test_each_epoch_a_new_order_each_rank_its_own_share_the_loss_of_all(script, tmp_path):
     """set_epoch: epoch 2 draws another order than epoch 1; the two ranks' shares are disjoint
@@ -111,12 +112,13 @@ class Mirror(http.server.SimpleHTTPRequestHandler):
         pass
 
 
-def test_fashionmnist_downloaded_once_per_machine_reaches_the_tutorials_accuracy(tmp_path):
+@pytest.mark.learned
+def test_fashionmnist_downloaded_once_per_machine_then_learned(tmp_path):
     """Under torchrun only local rank 0 downloads, the other rank waits for it; the tutorial
     had every rank download into the same folder at once. A local mirror stands in for the
     internet; a mirror that is down gives one line. Then the default run (2 processes, batch 100
-    each) on the real data, for 3 of its 10 epochs: past 0.84 already (with the tutorial's second
-    / 255, below 0.6)."""
+    each) on the real data, for 3 of its 10 epochs: 0.838 to 0.851 over three CPU kernel
+    settings; with the tutorial's second / 255, 0.637. The bar sits between, 0.09 from each."""
     if not (DEBIAN_FMNIST / "t10k-labels-idx1-ubyte.gz").is_file():
         if os.environ.get("CI"):
             pytest.fail("CI must install Debian's dataset-fashion-mnist")
@@ -151,7 +153,7 @@ def test_fashionmnist_downloaded_once_per_machine_reaches_the_tutorials_accuracy
     downloads = [name for rank in recorded(out, 2) for name in rank["downloads"]]
     assert sorted(downloads) == sorted(f.name for f in DEBIAN_FMNIST.glob("*-ubyte.gz")), downloads
     m = metrics(tmp_path / "m.json")
-    assert m["test_samples"] == 10000 and m["test_accuracy"] >= 0.84, m
+    assert m["test_samples"] == 10000 and m["test_accuracy"] >= 0.75, m
     assert res.returncode == 1 and last_line(res.stderr).startswith(
         f"error: FashionMNIST in {tmp_path / 'no'}: "
     )

@@ -24,22 +24,23 @@ def dark_and_bright(root, dark: int, bright: int, seed: int) -> None:
             Image.fromarray(pixels.numpy()).save(root / name / f"{i}.png")
 
 
+@pytest.mark.learned
 def test_each_image_scored_once_at_any_world_size(tmp_path):
     """31 validation images on 3 ranks: every one scored once; the finished run resumed by one
     process scores its newest checkpoint again, without training, to the same count."""
     train, val, ckpt = tmp_path / "train", tmp_path / "val", tmp_path / "ckpt"
-    dark_and_bright(train, 96, 96, seed=0)  # 16 steps an epoch: BatchNorm's running statistics,
-    dark_and_bright(val, 15, 16, seed=1)  # which eval mode uses, settle within an epoch or two
+    dark_and_bright(train, 96, 96, seed=0)  # 16 steps an epoch, BatchNorm on 4 images a rank
+    dark_and_bright(val, 15, 16, seed=1)
     flags = [
         *FLAGS,
         "--data",
         train,
         "--val-data",
         val,
-        "--epochs",
-        2,
-        "--lr",
-        0.003,
+        "--epochs",  # eval mode's BatchNorm statistics: at lr 0.003 they lag the weights, and
+        3,  # accuracy was 0.48 or 1.0 by seed and CPU kernels; at 0.0003, 1.0 in every setting
+        "--lr",  # from epoch 2 on (30 runs: 10 seeds, 3 kernel settings); epoch 1 is too early
+        0.0003,
         "--ckpt-dir",
         ckpt,
     ]
@@ -48,8 +49,8 @@ def test_each_image_scored_once_at_any_world_size(tmp_path):
         timeout=240,
     )
     assert re.findall(
-        r"^epoch (\d)/2 \| final_loss \S+ \| val_accuracy \S+ \|", res.stdout, re.M
-    ) == list("12")
+        r"^epoch (\d)/3 \| final_loss \S+ \| val_accuracy \S+ \|", res.stdout, re.M
+    ) == list("123")
     trained = metrics(tmp_path / "3.json")
     assert trained["val_samples"] == 31 and trained["world_size"] == 3
     assert trained["val_accuracy"] == trained["val_correct"] / 31 >= 0.9
@@ -62,7 +63,7 @@ def test_each_image_scored_once_at_any_world_size(tmp_path):
         ),
         timeout=180,
     )
-    assert res.stdout.splitlines()[0].endswith("| epochs 3-2")  # nothing left to train
+    assert res.stdout.splitlines()[0].endswith("| epochs 4-3")  # nothing left to train
     scored = metrics(tmp_path / "1.json")
     assert (scored["world_size"], scored["epochs_run"]) == (1, 0)
     assert (scored["val_correct"], scored["val_samples"]) == (trained["val_correct"], 31)
