@@ -1,13 +1,10 @@
 """DistributedDataParallel ResNet: rank 0 saves every epoch, every rank reloads the checkpoint.
-AIME "Multi GPU training with PyTorch", part 2, with the official DDP tutorial's checkpoints.
-Your own model and data: change build_model and load_datasets, nothing else.
+AIME part 2 with the DDP tutorial's checkpoints. Own model, data: change build_model, load_datasets.
 
     python ddp_resnet.py                               # one process per GPU; synthetic images
     python ddp_resnet.py --data train --val-data val   # ImageFolder roots; top-1 every epoch
-    python ddp_resnet.py --cpu --arch resnet18 --image-size 64 --epochs 2 --max-steps 10
-    torchrun --standalone --nproc-per-node=2 ddp_resnet.py --cpu ...   # the same flags
-Rank 0 prints a start line, `epoch 1/2 | step 10/10 | loss 6.92 | 110 img/s | 9.1 s`, epoch and
-done lines: the loss of every rank's steps, top-1 with --val-data, the newest checkpoint."""
+    torchrun --standalone --nproc-per-node=2 ddp_resnet.py --cpu --arch resnet18 --max-steps 10
+Rank 0 prints start, `epoch 1/2 | step 10/10 | loss 6.92 | 110 img/s | 9.1 s`, epoch, done lines."""
 
 import argparse
 import io
@@ -28,6 +25,9 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 from torchvision import datasets, models
+
+mp.set_start_method("forkserver", force=True)  # loader workers: a fork of a gloo rank can hang
+mp.set_forkserver_preload(["torchvision"])  # imported once by the server, not by every worker
 
 
 def ddp_setup(local_rank: int, args: argparse.Namespace) -> torch.device:
