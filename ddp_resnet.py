@@ -26,8 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 from torchvision import datasets, models
 
-mp.set_start_method("forkserver", force=True)  # loader workers: a fork of a gloo rank can hang
-mp.set_forkserver_preload(["torchvision"])  # imported once by the server, not by every worker
+mp.set_forkserver_preload(["torchvision"])  # the loader workers' server imports it once, not each
 
 
 def ddp_setup(local_rank: int, args: argparse.Namespace) -> torch.device:
@@ -141,6 +140,7 @@ def load_model(epoch: int, model: DDP, optimizer, args) -> None:
 
 def run_training_process_on_given_gpu(local_rank: int, args: argparse.Namespace) -> None:
     device = ddp_setup(local_rank, args)
+    mp.set_start_method("forkserver", force=True)  # loader workers: a fork of a gloo rank can hang
     try:
         train_set, val_set, num_classes = load_datasets(args)
         # fixed: --workers per rank (4 * GPUs each made 4 * GPUs**2); drop_last: BatchNorm needs 2
