@@ -31,10 +31,10 @@ def ddp_setup(local_rank: int, args: argparse.Namespace) -> torch.device:
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)  # before any collective, or every rank uses cuda:0
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stop ends a save as Ctrl-C does
     # fixed: NCCL needs a GPU per process, gloo runs anywhere; a finite timeout ends a hung job
     backend, timeout = ("nccl" if cuda else "gloo"), timedelta(seconds=args.timeout)
     dist.init_process_group(backend, timeout=timeout, device_id=device if cuda else None)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stop ends a save as Ctrl-C does
     return device
 
 
@@ -119,7 +119,7 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
         optimizer = torch.optim.Adam(my_net.parameters(), lr=args.lr)
         loss_function = nn.CrossEntropyLoss()
         train_loader = prepare_dataloader(train_set, args.batch_size, device)
-        m = dict(script="ddp_fashionmnist.py", world_size=dist.get_world_size(), device=device.type)
+        m = dict(script=Path(__file__).name, world_size=dist.get_world_size(), device=device.type)
         m.update(backend=dist.get_backend(), data="synthetic" if args.synthetic else args.data)
         print0("start |", " | ".join(f"{k} {v}" for k, v in m.items()))
         m["final_loss"] = train(my_net, train_loader, loss_function, optimizer, device, args)
@@ -136,7 +136,8 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
 # --- launching and checks (the same in every DDP script of this collection) ---
 def launch(main, args: argparse.Namespace) -> None:  # torchrun: we are one rank; else spawn
     try:
-        Path(args.metrics_out or ".").parent.mkdir(parents=True, exist_ok=True)  # before training
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # one process a node: the others wait for it
+            Path(args.metrics_out or ".").parent.mkdir(parents=True, exist_ok=True)  # or its error
         if "RANK" in os.environ:  # torchrun set RANK, LOCAL_RANK, WORLD_SIZE and MASTER_*
             return record(main)(int(os.environ["LOCAL_RANK"]), args)  # in torchrun's summary
         if int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) > 1:  # srun -n 2 python script.py
@@ -150,10 +151,9 @@ def launch(main, args: argparse.Namespace) -> None:  # torchrun: we are one rank
             s.bind((os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", 0))))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         mp.spawn(main, (args,), nprocs=args.nprocs)  # one rank fails: SIGTERM to the others
-    except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:  # it said why, or we do
+    except (mp.ProcessExitedException, mp.ProcessRaisedException, OSError) as e:
+        # a rank failed and said why, or we do; a MASTER_PORT you set is taken; no --metrics-out dir
         sys.exit(e.exit_code if getattr(e, "exit_code", 0) > 0 else f"error: {e}")
-    except OSError as e:  # a MASTER_PORT you set is taken; --metrics-out's folder cannot be made
-        sys.exit(f"error: {e}")
     except KeyboardInterrupt:  # Ctrl-C, or a stop (SIGTERM): every rank got it too
         sys.exit(130)
 

@@ -26,10 +26,10 @@ def ddp_setup(local_rank: int, args: argparse.Namespace) -> torch.device:
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)  # before any collective, or every rank uses cuda:0
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stop ends a save as Ctrl-C does
     # fixed: NCCL needs a GPU per process, gloo runs anywhere; a finite timeout ends a hung job
     backend, timeout = ("nccl" if cuda else "gloo"), timedelta(seconds=args.timeout)
     dist.init_process_group(backend, timeout=timeout, device_id=device if cuda else None)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stop ends a save as Ctrl-C does
     return device
 
 
@@ -49,7 +49,7 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
         print(outputs, f"all_gather: {[t.tolist() for t in tensors]}", sep="\n")
         print(f"done | gathered {len(outputs)} objects | backend {dist.get_backend()}")
         if args.metrics_out:
-            metrics = dict(script="ddp_gather.py", world_size=world_size, gathered=outputs)
+            metrics = dict(script=Path(__file__).name, world_size=world_size, gathered=outputs)
             with open(args.metrics_out, "w") as f:
                 json.dump(metrics, f, default=torch.Tensor.tolist)  # tensors as lists
     dist.destroy_process_group()
@@ -58,7 +58,8 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
 # --- launching and checks (the same in every DDP script of this collection) ---
 def launch(main, args: argparse.Namespace) -> None:  # torchrun: we are one rank; else spawn
     try:
-        Path(args.metrics_out or ".").parent.mkdir(parents=True, exist_ok=True)  # before training
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # one process a node: the others wait for it
+            Path(args.metrics_out or ".").parent.mkdir(parents=True, exist_ok=True)  # or its error
         if "RANK" in os.environ:  # torchrun set RANK, LOCAL_RANK, WORLD_SIZE and MASTER_*
             return record(main)(int(os.environ["LOCAL_RANK"]), args)  # in torchrun's summary
         if int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) > 1:  # srun -n 2 python script.py
@@ -72,10 +73,9 @@ def launch(main, args: argparse.Namespace) -> None:  # torchrun: we are one rank
             s.bind((os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", 0))))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         mp.spawn(main, (args,), nprocs=args.nprocs)  # one rank fails: SIGTERM to the others
-    except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:  # it said why, or we do
+    except (mp.ProcessExitedException, mp.ProcessRaisedException, OSError) as e:
+        # a rank failed and said why, or we do; a MASTER_PORT you set is taken; no --metrics-out dir
         sys.exit(e.exit_code if getattr(e, "exit_code", 0) > 0 else f"error: {e}")
-    except OSError as e:  # a MASTER_PORT you set is taken; --metrics-out's folder cannot be made
-        sys.exit(f"error: {e}")
     except KeyboardInterrupt:  # Ctrl-C, or a stop (SIGTERM): every rank got it too
         sys.exit(130)
 

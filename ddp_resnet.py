@@ -1,10 +1,6 @@
-"""DistributedDataParallel ResNet: rank 0 saves every epoch, every rank reloads the checkpoint.
-AIME part 2 with the DDP tutorial's checkpoints. Own model, data: change build_model, load_datasets.
-
-    python ddp_resnet.py                               # one process per GPU; synthetic images
-    python ddp_resnet.py --data train --val-data val   # ImageFolder roots; top-1 every epoch
-    torchrun --standalone --nproc-per-node=2 ddp_resnet.py --cpu --arch resnet18 --max-steps 10
-Rank 0 prints start, `epoch 1/2 | step 10/10 | loss 6.92 | 110 img/s | 9.1 s`, epoch, done lines."""
+"""DDP ResNet (AIME part 2, the DDP tutorial's checkpoints): rank 0 saves, every rank reloads.
+Own images: --data train --val-data val. Own model, data: change build_model, load_datasets.
+    torchrun --standalone --nproc-per-node=2 ddp_resnet.py --cpu --arch resnet18 --max-steps 10"""
 
 import argparse
 import io
@@ -35,10 +31,10 @@ def ddp_setup(local_rank: int, args: argparse.Namespace) -> torch.device:
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)  # before any collective, or every rank uses cuda:0
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stop ends a save as Ctrl-C does
     # fixed: NCCL needs a GPU per process, gloo runs anywhere; a finite timeout ends a hung job
     backend, timeout = ("nccl" if cuda else "gloo"), timedelta(seconds=args.timeout)
     dist.init_process_group(backend, timeout=timeout, device_id=device if cuda else None)
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stop ends a save as Ctrl-C does
     return device
 
 
@@ -47,8 +43,7 @@ def print0(*args) -> None:
         print(*args, flush=True)
 
 
-def load_datasets(args: argparse.Namespace) -> tuple:
-    """The training and validation sets (None without --val-data), and the number of classes."""
+def load_datasets(args: argparse.Namespace) -> tuple:  # train, val (or None), classes
     size, imagenet = args.image_size, ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
     # the tutorial's Resize(256), CenterCrop(224) at any --image-size; ImageNet's mean and std
     resize = [T.Resize(size * 8 // 7), T.CenterCrop(size), T.ToTensor(), T.Normalize(*imagenet)]
@@ -61,7 +56,7 @@ def load_datasets(args: argparse.Namespace) -> tuple:
         train.classes = [str(c) for c in range(256)]
     val = args.val_data and datasets.ImageFolder(args.val_data, T.Compose(resize))
     if val and val.classes != train.classes:
-        raise ValueError(f"--val-data {args.val_data} holds other classes than the training data")
+        raise ValueError("it holds other classes than the training data")
     return train, val or None, len(train.classes)
 
 
@@ -71,7 +66,6 @@ def build_model(args: argparse.Namespace, num_classes: int) -> torch.nn.Module:
 
 
 def train(model: DDP, dataloader, optimizer, epoch: int, steps: int, args) -> dict:
-    """One epoch over this rank's share: the mean loss over every rank's steps, and images/s."""
     dataloader.sampler.set_epoch(epoch)  # fixed: without it every epoch has the same order
     device, batch = next(model.parameters()).device, args.batch_size * dist.get_world_size()
     total, began, shown = torch.zeros(2, device=device), time.monotonic(), time.monotonic()
@@ -93,8 +87,7 @@ def train(model: DDP, dataloader, optimizer, epoch: int, steps: int, args) -> di
 
 
 @torch.no_grad()
-def evaluate(model: DDP, val_set, args) -> dict:
-    """Top-1: each rank scores every world_size-th image; a DistributedSampler would repeat some."""
+def evaluate(model: DDP, val_set, args) -> dict:  # top-1; a DistributedSampler repeats images
     for buffer in model.module.buffers():  # BatchNorm's running statistics: rank 0's, as saved
         dist.broadcast(buffer, src=0)
     share = Subset(val_set, range(dist.get_rank(), len(val_set), dist.get_world_size()))
@@ -110,8 +103,7 @@ def evaluate(model: DDP, val_set, args) -> dict:
     return dict(val_accuracy=correct / seen, val_correct=correct, val_samples=seen)
 
 
-def save_model(epoch: int, model: DDP, optimizer, args) -> str:
-    """A temporary file, fsynced, renamed into place: a failed save leaves the folder as it was."""
+def save_model(epoch: int, model: DDP, optimizer, args) -> str:  # atomic: tmp, fsync, rename
     file = Path(args.ckpt_dir) / f"epoch_{epoch}.pt"  # fixed: no file.touch(): torch.save makes it
     ckpt = dict(epoch=epoch, model_state_dict=model.module.state_dict())  # no "module." keys
     tmp, buffer = file.with_name(file.name + ".tmp"), io.BytesIO()
@@ -128,8 +120,7 @@ def save_model(epoch: int, model: DDP, optimizer, args) -> str:
     return str(file)
 
 
-def load_model(epoch: int, model: DDP, optimizer, args) -> None:
-    """Every rank loads the checkpoint rank 0 wrote at the end of `epoch`."""
+def load_model(epoch: int, model: DDP, optimizer, args) -> None:  # every rank, rank 0's file
     dist.barrier()  # before the load, not after the save: it guards --resume's first load too
     file, device = Path(args.ckpt_dir) / f"epoch_{epoch}.pt", next(model.parameters()).device
     # fixed: map_location={"cuda:0": f"cuda:{rank}"} fails on CPUs; our own device always fits
@@ -153,9 +144,9 @@ def run_training_process_on_given_gpu(local_rank: int, args: argparse.Namespace)
         start = torch.tensor(args.start_epoch, device=device)
         dist.broadcast(start, src=0)  # rank 0's look at --ckpt-dir decides for every rank
         steps = min(len(dataloader), args.max_steps or len(dataloader))
-        m = dict(script="ddp_resnet.py", world_size=dist.get_world_size(), device=device.type)
+        m = dict(script=Path(__file__).name, world_size=dist.get_world_size(), device=device.type)
         m.update(backend=dist.get_backend(), model=type(model.module).__name__, steps=steps)
-        print0(line("start", m, *m), f"| epochs {start.item()}-{args.epochs}")
+        print0(line("start", m, *m), "|", args.todo)  # rank 0's, as its start
         for epoch in range(start.item(), args.epochs + 1):  # fixed: range(1, 30) ran 29 epochs
             if epoch > 1:
                 load_model(epoch - 1, model, optimizer, args)
@@ -167,7 +158,7 @@ def run_training_process_on_given_gpu(local_rank: int, args: argparse.Namespace)
             keys = "final_loss", "val_accuracy", "images_per_sec", "seconds"
             print0(line(f"epoch {epoch}/{args.epochs}", m, *keys))
         if val_set is not None and start > args.epochs:  # a finished run resumed: score it
-            load_model(args.epochs, model, optimizer, args)
+            load_model(start.item() - 1, model, optimizer, args)
             m.update(evaluate(model, val_set, args))
         m["epochs_run"] = max(0, args.epochs + 1 - start.item())
         print0(line("done", m, "epochs_run", "final_loss", "val_accuracy", "checkpoint"))
@@ -188,7 +179,8 @@ def line(head: str, m: dict, *keys: str) -> str:
 # --- launching and checks (the same in every DDP script of this collection) ---
 def launch(main, args: argparse.Namespace) -> None:  # torchrun: we are one rank; else spawn
     try:
-        Path(args.metrics_out or ".").parent.mkdir(parents=True, exist_ok=True)  # before training
+        if os.environ.get("LOCAL_RANK", "0") == "0":  # one process a node: the others wait for it
+            Path(args.metrics_out or ".").parent.mkdir(parents=True, exist_ok=True)  # or its error
         if "RANK" in os.environ:  # torchrun set RANK, LOCAL_RANK, WORLD_SIZE and MASTER_*
             return record(main)(int(os.environ["LOCAL_RANK"]), args)  # in torchrun's summary
         if int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) > 1:  # srun -n 2 python script.py
@@ -202,10 +194,9 @@ def launch(main, args: argparse.Namespace) -> None:  # torchrun: we are one rank
             s.bind((os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", 0))))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         mp.spawn(main, (args,), nprocs=args.nprocs)  # one rank fails: SIGTERM to the others
-    except (mp.ProcessExitedException, mp.ProcessRaisedException) as e:  # it said why, or we do
+    except (mp.ProcessExitedException, mp.ProcessRaisedException, OSError) as e:
+        # a rank failed and said why, or we do; a MASTER_PORT you set is taken; no --metrics-out dir
         sys.exit(e.exit_code if getattr(e, "exit_code", 0) > 0 else f"error: {e}")
-    except OSError as e:  # a MASTER_PORT you set is taken; --metrics-out's folder cannot be made
-        sys.exit(f"error: {e}")
     except KeyboardInterrupt:  # Ctrl-C, or a stop (SIGTERM): every rank got it too
         sys.exit(130)
 
@@ -216,12 +207,15 @@ def positive(text: str) -> int:
     return int(text)
 
 
-def check_args(args: argparse.Namespace) -> None:
-    """Refuse bad data and checkpoints, one line each, before any rank starts."""
+def check_args(args: argparse.Namespace) -> None:  # one line each, before any rank starts
     try:  # ImageFolder: no folder, no class folders, a class without images; other classes
         train_set, _, num_classes = load_datasets(args)
-    except (OSError, ValueError) as e:
-        sys.exit(f"error: {e}")
+    except (OSError, ValueError) as e:  # whose folder: --data's if it fails again on its own
+        try:
+            args.data and datasets.ImageFolder(args.data)
+        except OSError:
+            sys.exit(f"error: --data {args.data}: {e}")
+        sys.exit(f"error: --val-data {args.val_data}: {e}")
     if len(train_set) < args.batch_size * int(os.environ.get("WORLD_SIZE", args.nprocs)):
         sys.exit(f"error: {len(train_set)} images, too few for --batch-size {args.batch_size}")
     saved = [f for f in Path(args.ckpt_dir).glob("epoch_*.pt") if f.stem[6:].isdigit()]
@@ -237,7 +231,9 @@ def check_args(args: argparse.Namespace) -> None:
         why = " ".join(str(e).split("WeightsUnpickler error:")[-1].split())  # on one line
         sys.exit(f"error: cannot resume from {file or args.ckpt_dir}: {why[:300]}")
     args.start_epoch = int(file.stem[6:]) + 1 if file else 1
-    args.memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    args.todo = f"resuming from {file} | " * bool(file) + f"epochs {args.start_epoch}-{args.epochs}"
+    if args.start_epoch > args.epochs:  # a finished run resumed: scored again with --val-data
+        args.todo = f"nothing to train: {file} reached --epochs {args.epochs}"
 
 
 def parse_args() -> argparse.Namespace:
@@ -261,10 +257,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--channels-last", action="store_true", help="NHWC memory format, for GPUs")
     p.add_argument("--ckpt-dir", default="model_checkpoints", help="rank 0 saves epoch_N.pt here")
     p.add_argument("--resume", action="store_true", help="go on after the newest epoch_N.pt")
-    return p.parse_args()
+    p.set_defaults(start_epoch=1, todo="")  # check_args's, where it runs: rank 0 has its start
+    args = p.parse_args()
+    args.memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    return args
 
 
 if __name__ == "__main__":
     args = parse_args()
-    check_args(args)
+    if os.environ.get("LOCAL_RANK", "0") == "0":  # under torchrun one process a node checks and
+        check_args(args)  # says why; the others wait for rank 0 in ddp_setup, or are stopped
     launch(run_training_process_on_given_gpu, args)

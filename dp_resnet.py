@@ -1,6 +1,5 @@
 """DataParallel ResNet (AIME "Multi GPU training with PyTorch", part 1): one process, every
 visible GPU, a checkpoint each epoch reloaded at the start of the next. ddp_resnet.py is faster.
-
     python dp_resnet.py                         # all visible GPUs, resnet50, synthetic images
     CUDA_VISIBLE_DEVICES=0,1 python dp_resnet.py --data /path/to/train --resume
     python dp_resnet.py --cpu --arch resnet18 --image-size 64 --epochs 2 --max-steps 10
@@ -47,8 +46,7 @@ class Bf16Autocast(torch.nn.Sequential):
             return super().forward(x)
 
 
-def save_model(epoch: int, net: torch.nn.Module, optimizer, args) -> str:
-    """A temporary file, fsynced, renamed into place: a failed save leaves the folder as it was."""
+def save_model(epoch: int, net: torch.nn.Module, optimizer, args) -> str:  # tmp, fsync, rename
     file = Path(args.ckpt_dir) / f"epoch_{epoch}.pt"  # fixed: no file.touch(): torch.save makes it
     ckpt = dict(epoch=epoch, model_state_dict=net.state_dict())  # the bare model: no "module."
     tmp, buffer = file.with_name(file.name + ".tmp"), io.BytesIO()
@@ -87,11 +85,11 @@ def run_training(gpus: int, train_set, num_classes: int, args: argparse.Namespac
     if gpus:  # the replicas start on GPU 0; see Bf16Autocast
         model = torch.nn.DataParallel(Bf16Autocast(net) if args.amp else net, list(range(gpus)))
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
-    steps, m = min(len(dataloader), args.max_steps or len(dataloader)), {"script": "dp_resnet.py"}
-    m.update(world_size=max(gpus, 1), device=device.type, model=type(net).__name__)
-    first = args.start_epoch  # 1, or with --resume the one after the newest checkpoint
-    print(f"start | {gpus} GPU(s) | {m['model']} | {steps} steps x epochs {first}-{args.epochs}")
-    for epoch in range(first, args.epochs + 1):  # fixed: range(1, 30) ran 29 epochs
+    steps = min(len(dataloader), args.max_steps or len(dataloader))
+    m = dict(script=Path(__file__).name, world_size=max(gpus, 1), device=device.type)
+    m.update(model=type(net).__name__, steps=steps)  # world_size: the GPUs DataParallel uses
+    print("start |", " | ".join(f"{k} {v}" for k, v in m.items()), "|", args.todo)
+    for epoch in range(args.start_epoch, args.epochs + 1):  # fixed: range(1, 30) ran 29 epochs
         if epoch > 1:
             load_model(epoch - 1, net, optimizer, args)
         generator.manual_seed(epoch)  # a new order each epoch, see above
@@ -118,8 +116,7 @@ def run_training(gpus: int, train_set, num_classes: int, args: argparse.Namespac
 
 
 # --- launching and checks ---
-def check_args(args: argparse.Namespace) -> int:
-    """Refuse bad flags and a used checkpoint folder in one line; return the GPUs to use."""
+def check_args(args: argparse.Namespace) -> int:  # refuse in one line; the GPUs to use
     if int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) > 1:  # srun -n 2 python dp_resnet.py
         sys.exit("error: srun -n N starts N separate trainings; DataParallel is one process")
     gpus = 0 if args.cpu else torch.cuda.device_count()  # CUDA_VISIBLE_DEVICES chooses them
@@ -135,6 +132,9 @@ def check_args(args: argparse.Namespace) -> int:
     except OSError as e:
         sys.exit(f"error: cannot make the folder {e.filename}: {e.strerror}")
     args.start_epoch = int(file.stem[6:]) + 1 if file else 1
+    args.todo = f"resuming from {file} | " * bool(file) + f"epochs {args.start_epoch}-{args.epochs}"
+    if args.start_epoch > args.epochs:  # a finished run resumed
+        args.todo = f"nothing to train: {file} reached --epochs {args.epochs}"
     args.memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     return gpus
 
@@ -170,7 +170,7 @@ if __name__ == "__main__":
     try:  # ImageFolder: no folder, no class folders, a class without images
         train_set, num_classes = load_datasets(args)
     except OSError as e:
-        sys.exit(f"error: {e}")
+        sys.exit(f"error: --data {args.data}: {e}")
     if len(train_set) < args.batch_size:  # drop_last would leave no step at all
         sys.exit(f"error: {len(train_set)} images, too few for --batch-size {args.batch_size}")
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stop ends a save as Ctrl-C does

@@ -4,10 +4,11 @@
 import gzip
 import os
 import shutil
+from pathlib import Path
 
 import pytest
 
-from conftest import DEBIAN_FMNIST, finish, last_line, metrics, python, run, start, torchrun
+from conftest import DEBIAN_FMNIST, ROOT, finish, last_line, metrics, python, run, start, torchrun
 
 SMOKE = ["--cpu", "--synthetic", "--epochs", 1, "--timeout", 60]
 
@@ -30,11 +31,13 @@ def debian_root(root):
 def test_both_launchers_and_each_test_image_once(tmp_path, launcher, world):
     """10,000 test images on 3 ranks: shares of 3334, 3333, 3333, each image scored once (a
     DistributedSampler would score 10,002)."""
-    out = tmp_path / "m.json"
+    out, script = tmp_path / "m.json", "ddp_fashionmnist.py"
+    if launcher == "spawn":  # a user's copy: it reports its own name
+        script = shutil.copy(ROOT / script, tmp_path / "my_fashionmnist.py")
     cmd = (
-        python("ddp_fashionmnist.py", "--nprocs", world, *SMOKE, "--metrics-out", out)
+        python(script, "--nprocs", world, *SMOKE, "--metrics-out", out)
         if launcher == "spawn"
-        else torchrun("ddp_fashionmnist.py", world, *SMOKE, "--metrics-out", out)
+        else torchrun(script, world, *SMOKE, "--metrics-out", out)
     )
     res = run(cmd, timeout=180)
     m = metrics(out)
@@ -48,7 +51,7 @@ def test_both_launchers_and_each_test_image_once(tmp_path, launcher, world):
     lines = res.stdout.splitlines()
     assert (
         lines[0]
-        == f"start | script ddp_fashionmnist.py | world_size {world} | device cpu | backend gloo | data synthetic"
+        == f"start | script {Path(script).name} | world_size {world} | device cpu | backend gloo | data synthetic"
     )
     assert lines[1].startswith(f"epoch 1/1 | loss {m['final_loss']:.4f} | ") and lines[1].endswith(
         " img/s"

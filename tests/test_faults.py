@@ -117,6 +117,32 @@ def test_master_port_from_the_environment_is_used_and_a_busy_one_refused():
     assert res.returncode == 1 and res.stderr == "error: [Errno 98] Address already in use\n"
 
 
+def test_under_torchrun_a_refusal_is_one_line_a_node(tmp_path):
+    """Under torchrun one process a node (local rank 0) checks the input and says why in one
+    line; the others wait for rank 0 until torchrun stops them, and torchrun adds its failure
+    report. Before, every rank checked and printed the line. (A mistyped flag is argparse's, in
+    every rank: they all parse.)"""
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "epoch_1.pt").write_bytes(b"another run's")
+    (tmp_path / "file").write_text("a file where a folder should be")
+    cases = [  # all at once: each stops before any rank trains
+        ("ddp_resnet.py", [*RESNET, "--ckpt-dir", used], f"error: {used / 'epoch_1.pt'} exists: "),
+        (
+            "ddp_gather.py",
+            ["--cpu", "--metrics-out", tmp_path / "file" / "m.json"],
+            f"error: [Errno 17] File exists: '{tmp_path / 'file'}'",
+        ),
+    ]
+    procs = [start(torchrun(script, 2, *flags)) for script, flags, _ in cases]
+    for proc, (script, _, line) in zip(procs, cases, strict=True):
+        res = finish(proc, TIMEOUT, check=False)
+        assert res.returncode == 1, (script, res.stderr)
+        assert sum(x.startswith(line) for x in res.stderr.splitlines()) == 1, res.stderr
+        assert f"{script} FAILED" in res.stderr  # torchrun's report (docs/cluster.md)
+        assert "start |" not in res.stdout
+
+
 @pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
 def test_killed_rank_ends_the_job_within_seconds(launcher):
     flags = [*FM, "--epochs", 100]

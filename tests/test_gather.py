@@ -1,22 +1,27 @@
 """ddp_gather.py: every rank's objects and tensors, in rank order, both launch paths."""
 
+import shutil
+
 import pytest
 
-from conftest import last_line, metrics, python, run, torchrun
+from conftest import ROOT, last_line, metrics, python, run, torchrun
 
 
 @pytest.mark.parametrize("launcher,world", [("spawn", 3), ("torchrun", 2)])
 def test_all_gather_object_rank_order(tmp_path, launcher, world):
     out = tmp_path / "new" / "m.json"  # a folder that --metrics-out makes
     flags = ["--cpu", "--metrics-out", out]
+    copy = tmp_path / "my_gather.py"  # a user's copy reports its own name
+    shutil.copy(ROOT / "ddp_gather.py", copy)
     cmd = (
-        python("ddp_gather.py", "--nprocs", world, *flags)
+        python(copy, "--nprocs", world, *flags)
         if launcher == "spawn"
         else torchrun("ddp_gather.py", world, *flags)
     )
     res = run(cmd, timeout=120)
     m = metrics(out)
     assert m["world_size"] == world
+    assert m["script"] == ("my_gather.py" if launcher == "spawn" else "ddp_gather.py")
     assert [g["dict"]["rank"] for g in m["gathered"]] == list(range(world))
     assert [g["list"] for g in m["gathered"]] == [[1 + r, 2 + r, 3 + r] for r in range(world)]
     assert [g["tensor"] for g in m["gathered"]] == [[1.0 + r] * 3 for r in range(world)]

@@ -96,7 +96,11 @@ def test_rank_0_decides_where_every_rank_resumes(uninterrupted, tmp_path):
     (b / "epoch_7.pt").write_bytes((uninterrupted[0] / "epoch_1.pt").read_bytes())
     flags = [*RESNET, "--epochs", 3, "--resume"]
     results = two_nodes(1, "ddp_resnet.py", [*flags, "--ckpt-dir", a], [*flags, "--ckpt-dir", b])
-    assert results[0].stdout.splitlines()[0].endswith("| epochs 2-3")
+    assert (
+        results[0]
+        .stdout.splitlines()[0]
+        .endswith(f"| resuming from {a / 'epoch_1.pt'} | epochs 2-3")
+    )
     same_weights(uninterrupted[0] / "epoch_3.pt", a / "epoch_3.pt")
 
 

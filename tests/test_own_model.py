@@ -3,7 +3,6 @@ load_datasets (a small CNN, an in-memory TensorDataset with a validation split),
 launches, trains, validates each image once, saves and resumes as the original does."""
 
 import difflib
-import re
 import sys
 
 import torch
@@ -53,13 +52,17 @@ def test_own_model_and_data_in_two_functions(tmp_path):
     res = run([str(c) for c in [*cmd, "--epochs", 2]], timeout=120)
     m = metrics(tmp_path / "m.json")
     assert (m["model"], m["epochs_run"], m["steps"], m["val_samples"]) == ("Sequential", 2, 6, 10)
+    assert m["script"] == "my_training.py"  # the copy's own name, in the start line too
+    assert res.stdout.splitlines()[0].startswith("start | script my_training.py | world_size 2 |")
     assert "| model Sequential | steps 6 | epochs 1-2" in res.stdout.splitlines()[0]
     res = run([str(c) for c in [*cmd, "--epochs", 3, "--resume"]], timeout=120)
     m = metrics(tmp_path / "m.json")
     assert (m["epochs_run"], m["val_samples"]) == (1, 10) and m["checkpoint"] == str(
         ckpt / "epoch_3.pt"
     )
-    assert re.search(r"\| epochs 3-3$", res.stdout.splitlines()[0])
+    assert res.stdout.splitlines()[0].endswith(
+        f"| resuming from {ckpt / 'epoch_2.pt'} | epochs 3-3"
+    )
     ckpt = torch.load(ckpt / "epoch_3.pt", weights_only=True)
     assert (
         ckpt["epoch"] == 3 and "0.weight" in ckpt["model_state_dict"]

@@ -86,12 +86,14 @@ def test_ddp_run_prints_saves_and_reports(uninterrupted):
 
 
 def test_torchrun_gives_the_weights_of_spawn(uninterrupted, tmp_path):
-    run(
-        torchrun("ddp_resnet.py", 2, *RESNET, "--epochs", 3, "--ckpt-dir", tmp_path),
-        timeout=TIMEOUT,
-        env=ONE_THREAD,
-    )
+    cmd = torchrun("ddp_resnet.py", 2, *RESNET, "--epochs", 3, "--ckpt-dir", tmp_path)
+    run(cmd, timeout=TIMEOUT, env=ONE_THREAD)
     same_weights(uninterrupted[0] / "epoch_3.pt", tmp_path / "epoch_3.pt")
+    res = run([*cmd, "--resume"], timeout=TIMEOUT)  # finished: it says so, and trains nothing
+    assert res.stdout.splitlines()[0].endswith(
+        f"| steps 2 | nothing to train: {tmp_path / 'epoch_3.pt'} reached --epochs 3"
+    )
+    assert res.stdout.splitlines()[-1] == "done | epochs_run 0"
 
 
 def test_resume_ends_where_an_unbroken_run_ends(uninterrupted, tmp_path):
@@ -101,12 +103,17 @@ def test_resume_ends_where_an_unbroken_run_ends(uninterrupted, tmp_path):
         timeout=TIMEOUT,
         env=ONE_THREAD,
     )
-    assert res.stdout.splitlines()[0].endswith("| steps 2 | epochs 2-3")
+    assert res.stdout.splitlines()[0].endswith(
+        f"| steps 2 | resuming from {tmp_path / 'epoch_1.pt'} | epochs 2-3"
+    )
     same_weights(uninterrupted[0] / "epoch_3.pt", tmp_path / "epoch_3.pt")
     res = run(
         command("ddp_resnet.py", "--epochs", 3, "--ckpt-dir", tmp_path, "--resume"), timeout=TIMEOUT
     )
-    assert res.stdout.splitlines()[-1] == "done | epochs_run 0"  # nothing left to train
+    assert res.stdout.splitlines()[0].endswith(
+        f"| steps 2 | nothing to train: {tmp_path / 'epoch_3.pt'} reached --epochs 3"
+    )
+    assert res.stdout.splitlines()[-1] == "done | epochs_run 0"
 
 
 @pytest.mark.parametrize("script", ["ddp_resnet.py", "dp_resnet.py"])
@@ -135,11 +142,18 @@ def test_a_fresh_run_refuses_a_folder_with_checkpoints(script, uninterrupted, tm
         out = tmp_path / "new" / "m.json"  # a folder that --metrics-out makes
         flags = ["--epochs", 4, "--ckpt-dir", ckpt, "--resume", "--metrics-out", out]
         res = run(command(script, *flags), timeout=TIMEOUT)
-        assert (
-            res.stdout.splitlines()[0].endswith("x epochs 4-4") and (ckpt / "epoch_4.pt").is_file()
+        assert res.stdout.splitlines()[0] == (  # the DDP scripts' form: what runs where
+            "start | script dp_resnet.py | world_size 1 | device cpu | model ResNet | steps 2 "
+            f"| resuming from {ckpt / 'epoch_3.pt'} | epochs 4-4"
         )
-        assert metrics(out)["epochs_run"] == 1
+        assert (ckpt / "epoch_4.pt").is_file() and metrics(out)["epochs_run"] == 1
         assert res.stderr == ""  # no warning to read past (the tutorial's pretrained=False)
+        res = run(command(script, *flags), timeout=TIMEOUT)  # finished: says so, trains nothing
+        assert res.stdout.splitlines() == [
+            "start | script dp_resnet.py | world_size 1 | device cpu | model ResNet | steps 2 "
+            f"| nothing to train: {ckpt / 'epoch_4.pt'} reached --epochs 4",
+            "done | epochs_run 0 | checkpoint -",
+        ]
 
 
 class Mkdir:
@@ -195,18 +209,24 @@ def test_a_bad_checkpoint_on_resume_is_one_line_naming_its_cause(script, uninter
 def test_bad_input_is_one_line_and_nothing_starts(script, tmp_path):
     (tmp_path / "file").write_text("a file where a folder should be")
     (tmp_path / "empty").mkdir()
+    (tmp_path / "no_images" / "only_class").mkdir(parents=True)
     cases = [
         (["--epochs", 0], 2, "argument --epochs: expected a whole number above 0, got '0'"),
         (["--arch", "resnet5"], 2, "argument --arch: invalid choice: 'resnet5'"),
         (
             ["--data", tmp_path / "missing"],
             1,
-            f"error: [Errno 2] No such file or directory: '{tmp_path / 'missing'}'",
+            f"error: --data {tmp_path / 'missing'}: [Errno 2] No such file or directory: '{tmp_path / 'missing'}'",
         ),
         (
             ["--data", tmp_path / "empty"],
             1,
-            f"error: Couldn't find any class folder in {tmp_path / 'empty'}.",
+            f"error: --data {tmp_path / 'empty'}: Couldn't find any class folder in {tmp_path / 'empty'}.",
+        ),
+        (  # torchvision's own words name the class, not the folder: the flag and path come first
+            ["--data", tmp_path / "no_images"],
+            1,
+            f"error: --data {tmp_path / 'no_images'}: Found no valid file for the classes only_class.",
         ),
         (
             ["--ckpt-dir", tmp_path / "file"],

@@ -63,7 +63,9 @@ def test_each_image_scored_once_at_any_world_size(tmp_path):
         ),
         timeout=180,
     )
-    assert res.stdout.splitlines()[0].endswith("| epochs 4-3")  # nothing left to train
+    assert res.stdout.splitlines()[0].endswith(
+        f"| nothing to train: {ckpt / 'epoch_3.pt'} reached --epochs 3"
+    )  # then scored again
     scored = metrics(tmp_path / "1.json")
     assert (scored["world_size"], scored["epochs_run"]) == (1, 0)
     assert (scored["val_correct"], scored["val_samples"]) == (trained["val_correct"], 31)
@@ -99,22 +101,26 @@ def test_a_rank_with_no_validation_image_still_joins_the_count(tmp_path):
     assert metrics(out)["val_samples"] == 2
 
 
-@pytest.mark.parametrize("case", ["other classes", "no --data"])
+@pytest.mark.parametrize("case", ["other classes", "no --data", "a class without images"])
 def test_val_data_needs_the_classes_of_the_training_data(case, tmp_path):
+    """Refused in one line that names --val-data and its path: with --data given too, the user
+    knows which folder is meant."""
     train, val = tmp_path / "train", tmp_path / "val"
     dark_and_bright(train, 2, 2, seed=0)
     dark_and_bright(val, 2, 2, seed=1)
+    why = "it holds other classes than the training data"
     if case == "other classes":
         (val / "dark").rename(val / "grey")
-    flags = ["--data", train] if case == "other classes" else []
+    if case == "a class without images":
+        for image in (val / "dark").iterdir():
+            image.unlink()
+        why = "Found no valid file for the classes dark. Supported extensions are: .jpg"
+    flags = [] if case == "no --data" else ["--data", train]
     res = run(
         python("ddp_resnet.py", *FLAGS, *flags, "--val-data", val, "--ckpt-dir", tmp_path / "ckpt"),
         timeout=60,
         check=False,
     )
     assert res.returncode == 1
-    assert (
-        last_line(res.stderr)
-        == f"error: --val-data {val} holds other classes than the training data"
-    )
+    assert last_line(res.stderr).startswith(f"error: --val-data {val}: {why}"), res.stderr
     assert not (tmp_path / "ckpt").exists()  # refused before anything started
