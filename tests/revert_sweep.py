@@ -215,8 +215,8 @@ R = [
     (
         "dp: range(1, epochs)",
         "dp_resnet.py",
-        "range(first, args.epochs + 1)",
-        "range(first, args.epochs)",
+        "range(args.start_epoch, args.epochs + 1)",
+        "range(args.start_epoch, args.epochs)",
         "tests/test_resnet.py::test_a_fresh_run_refuses_a_folder_with_checkpoints",
     ),
     (
