@@ -146,7 +146,7 @@ def run_training_process_on_given_gpu(local_rank: int, args: argparse.Namespace)
         steps = min(len(dataloader), args.max_steps or len(dataloader))
         m = dict(script=Path(__file__).name, world_size=dist.get_world_size(), device=device.type)
         m.update(backend=dist.get_backend(), model=type(model.module).__name__, steps=steps)
-        print0(line("start", m, *m), "|", args.todo)  # rank 0's, as its start
+        print0(line("start", m, *m), "|", args.todo)  # check_args's, on rank 0
         for epoch in range(start.item(), args.epochs + 1):  # fixed: range(1, 30) ran 29 epochs
             if epoch > 1:
                 load_model(epoch - 1, model, optimizer, args)

@@ -10,13 +10,13 @@ from conftest import ROOT, last_line, metrics, python, run, torchrun
 @pytest.mark.parametrize("launcher,world", [("spawn", 3), ("torchrun", 2)])
 def test_all_gather_object_rank_order(tmp_path, launcher, world):
     out = tmp_path / "new" / "m.json"  # a folder that --metrics-out makes
-    flags = ["--cpu", "--metrics-out", out]
-    copy = tmp_path / "my_gather.py"  # a user's copy reports its own name
-    shutil.copy(ROOT / "ddp_gather.py", copy)
+    flags, script = ["--cpu", "--metrics-out", out], "ddp_gather.py"
+    if launcher == "spawn":  # a user's copy: it reports its own name
+        script = shutil.copy(ROOT / script, tmp_path / "my_gather.py")
     cmd = (
-        python(copy, "--nprocs", world, *flags)
+        python(script, "--nprocs", world, *flags)
         if launcher == "spawn"
-        else torchrun("ddp_gather.py", world, *flags)
+        else torchrun(script, world, *flags)
     )
     res = run(cmd, timeout=120)
     m = metrics(out)
