@@ -1,15 +1,12 @@
 """The "Data-Parallel Training" tutorial (SeqNet on FashionMNIST, mp.spawn), its bugs fixed.
-
-    python ddp_fashionmnist.py                 # one process per GPU, or 2 on CPU; data in ./data
+    python ddp_fashionmnist.py      # one process per GPU, or 2 on CPU; downloads into ./data once
     torchrun --standalone --nproc-per-node=2 ddp_fashionmnist.py --cpu --synthetic  # random data
-FashionMNIST is downloaded into --data unless it is there. Rank 0 prints a start line,
-`epoch 10/10 | loss 0.4578 | 28126 img/s` lines and `done | test_accuracy 0.8476 (10000 images)`."""
+Rank 0 prints `start | ...`, `epoch 10/10 | loss 0.4578 | 28126 img/s`, `done | test_accuracy`."""
 
 import argparse
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -27,12 +24,11 @@ from torchvision import datasets
 
 def ddp_setup(local_rank: int, args: argparse.Namespace) -> torch.device:
     os.environ.setdefault("RANK", str(local_rank))  # spawned by launch(): rank = local rank
-    cuda = torch.cuda.is_available() and not args.cpu
+    cuda = torch.cuda.is_available() and not args.cpu  # fixed: not NCCL-only: gloo on CPU too
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)  # before any collective, or every rank uses cuda:0
-    # fixed: NCCL needs a GPU per process, gloo runs anywhere; a finite timeout ends a hung job
-    backend, timeout = ("nccl" if cuda else "gloo"), timedelta(seconds=args.timeout)
+    backend, timeout = ("nccl" if cuda else "gloo"), timedelta(seconds=args.timeout)  # ends a hang
     dist.init_process_group(backend, timeout=timeout, device_id=device if cuda else None)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stop ends a save as Ctrl-C does
     return device
@@ -47,7 +43,7 @@ def load_datasets(args: argparse.Namespace) -> tuple[Dataset, Dataset]:
     if args.synthetic:  # random data of FashionMNIST's shapes, the same on every rank (seed 0)
         x, y = torch.rand(70000, 1, 28, 28), torch.randint(10, (70000,))
         return TensorDataset(x[:60000], y[:60000]), TensorDataset(x[60000:], y[60000:])
-    sets = [datasets.FashionMNIST(args.data, train=split) for split in (True, False)]
+    sets = [datasets.FashionMNIST(args.data, train=s, download=True) for s in (True, False)]
     # fixed: the tutorial's ToTensor() and then torch.div(images, 255.) scaled them twice
     return tuple(TensorDataset(s.data.unsqueeze(1) / 255, s.targets) for s in sets)
 
@@ -135,26 +131,31 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
 
 # --- launching and checks (the same in every DDP script of this collection) ---
 def launch(main, args: argparse.Namespace) -> None:  # torchrun: we are one rank; else spawn
+    def stop(*_) -> None:  # SIGTERM (kill) to the launcher: passed on to the ranks; Ctrl-C for us
+        for p in [*mp.active_children(), mp.current_process()]:
+            os.kill(p.pid, signal.SIGINT if p.pid == os.getpid() else signal.SIGTERM)
+
     try:
-        if os.environ.get("LOCAL_RANK", "0") == "0":  # one process a node: the others wait for it
-            Path(args.metrics_out or ".").parent.mkdir(parents=True, exist_ok=True)  # or its error
-        if "RANK" in os.environ:  # torchrun set RANK, LOCAL_RANK, WORLD_SIZE and MASTER_*
-            return record(main)(int(os.environ["LOCAL_RANK"]), args)  # in torchrun's summary
+        if args.metrics_out and os.environ.get("RANK", "0") == "0":  # its writer, before training:
+            Path(args.metrics_out).parent.mkdir(parents=True, exist_ok=True)
+            open(args.metrics_out, "a").close()  # can it write there? if not, an OSError says why
+        if "RANK" in os.environ:  # torchrun sets RANK, LOCAL_RANK...; a cluster's pod may set RANK
+            return record(main)(int(os.environ.get("LOCAL_RANK", 0)), args)  # torchrun's summary
         if int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) > 1:  # srun -n 2 python script.py
             sys.exit("error: srun -n N starts N separate jobs; run torchrun once per node")
         if 0 < torch.cuda.device_count() < args.nprocs and not args.cpu:
             sys.exit(f"error: --nprocs {args.nprocs}, but fewer GPUs here; use fewer, or --cpu")
-        os.environ["WORLD_SIZE"] = str(args.nprocs)  # the ranks inherit the environment
         os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() // args.nprocs or 1))  # cores
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        with socket.socket() as s:  # fixed: not the tutorials' 12355 (it collides): a free port
-            s.bind((os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", 0))))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        addr, port = os.environ.setdefault("MASTER_ADDR", "127.0.0.1"), os.getenv("MASTER_PORT", 0)
+        store = dist.TCPStore(addr, int(port), is_master=True)  # fixed: not 12355; yours or free,
+        os.environ.update(MASTER_PORT=str(store.port), WORLD_SIZE=str(args.nprocs))  # held by us:
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # ranks join our store, as torchrun's
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # `cmd &` ignored it; so would
+        signal.signal(signal.SIGTERM, stop)  # the ranks, whose death-of-parent signal it is
         mp.spawn(main, (args,), nprocs=args.nprocs)  # one rank fails: SIGTERM to the others
-    except (mp.ProcessExitedException, mp.ProcessRaisedException, OSError) as e:
-        # a rank failed and said why, or we do; a MASTER_PORT you set is taken; no --metrics-out dir
-        sys.exit(e.exit_code if getattr(e, "exit_code", 0) > 0 else f"error: {e}")
-    except KeyboardInterrupt:  # Ctrl-C, or a stop (SIGTERM): every rank got it too
+    except (mp.ProcessExitedException, mp.ProcessRaisedException, OSError, dist.DistError) as e:
+        sys.exit(max(getattr(e, "exit_code", 0), 0) or f"error: {e}")  # a rank said why, or we do
+    except KeyboardInterrupt:  # Ctrl-C, which every rank got too, or a stop (above)
         sys.exit(130)
 
 
@@ -180,11 +181,9 @@ def parse_args() -> argparse.Namespace:
 
 if __name__ == "__main__":
     args = parse_args()
-    # fixed: the tutorial had every rank download at once; here one process per machine, first
-    if not args.synthetic and os.environ.get("LOCAL_RANK", "0") == "0":
-        try:
-            for split in (True, False):  # reads what is there, downloads what is not
-                datasets.FashionMNIST(args.data, train=split, download=True)
+    if not args.synthetic and os.environ.get("LOCAL_RANK", "0") == "0":  # fixed: once a machine
+        try:  # reads what is there, downloads what is not (the tutorial: every rank, at once)
+            load_datasets(args)
         except Exception as e:  # no network, a damaged file
             sys.exit(f"error: FashionMNIST in {args.data}: {' '.join(str(e).split())}")
     launch(main, args)

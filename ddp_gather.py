@@ -1,15 +1,12 @@
 """Gather per-rank objects and tensors ("A Comprehensive Tutorial to Pytorch DDP", section 6).
-
     python ddp_gather.py                       # one process per GPU, or 2 CPU processes
     torchrun --standalone --nproc-per-node=3 ddp_gather.py --cpu   # gloo on CPU, 3 processes
-
 Rank 0 prints the gathered dicts and tensors, then `done | gathered 2 objects | backend gloo`."""
 
 import argparse
 import json
 import os
 import signal
-import socket
 import sys
 from datetime import timedelta
 from pathlib import Path
@@ -22,12 +19,11 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 def ddp_setup(local_rank: int, args: argparse.Namespace) -> torch.device:
     os.environ.setdefault("RANK", str(local_rank))  # spawned by launch(): rank = local rank
-    cuda = torch.cuda.is_available() and not args.cpu
+    cuda = torch.cuda.is_available() and not args.cpu  # fixed: not NCCL-only: gloo on CPU too
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)  # before any collective, or every rank uses cuda:0
-    # fixed: NCCL needs a GPU per process, gloo runs anywhere; a finite timeout ends a hung job
-    backend, timeout = ("nccl" if cuda else "gloo"), timedelta(seconds=args.timeout)
+    backend, timeout = ("nccl" if cuda else "gloo"), timedelta(seconds=args.timeout)  # ends a hang
     dist.init_process_group(backend, timeout=timeout, device_id=device if cuda else None)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stop ends a save as Ctrl-C does
     return device
@@ -48,35 +44,39 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
     if rank == 0:
         print(outputs, f"all_gather: {[t.tolist() for t in tensors]}", sep="\n")
         print(f"done | gathered {len(outputs)} objects | backend {dist.get_backend()}")
-        if args.metrics_out:
-            metrics = dict(script=Path(__file__).name, world_size=world_size, gathered=outputs)
-            with open(args.metrics_out, "w") as f:
-                json.dump(metrics, f, default=torch.Tensor.tolist)  # tensors as lists
+        if args.metrics_out:  # tensors as lists
+            m = dict(script=Path(__file__).name, world_size=world_size, gathered=outputs)
+            Path(args.metrics_out).write_text(json.dumps(m, default=torch.Tensor.tolist))
     dist.destroy_process_group()
 
 
 # --- launching and checks (the same in every DDP script of this collection) ---
 def launch(main, args: argparse.Namespace) -> None:  # torchrun: we are one rank; else spawn
+    def stop(*_) -> None:  # SIGTERM (kill) to the launcher: passed on to the ranks; Ctrl-C for us
+        for p in [*mp.active_children(), mp.current_process()]:
+            os.kill(p.pid, signal.SIGINT if p.pid == os.getpid() else signal.SIGTERM)
+
     try:
-        if os.environ.get("LOCAL_RANK", "0") == "0":  # one process a node: the others wait for it
-            Path(args.metrics_out or ".").parent.mkdir(parents=True, exist_ok=True)  # or its error
-        if "RANK" in os.environ:  # torchrun set RANK, LOCAL_RANK, WORLD_SIZE and MASTER_*
-            return record(main)(int(os.environ["LOCAL_RANK"]), args)  # in torchrun's summary
+        if args.metrics_out and os.environ.get("RANK", "0") == "0":  # its writer, before training:
+            Path(args.metrics_out).parent.mkdir(parents=True, exist_ok=True)
+            open(args.metrics_out, "a").close()  # can it write there? if not, an OSError says why
+        if "RANK" in os.environ:  # torchrun sets RANK, LOCAL_RANK...; a cluster's pod may set RANK
+            return record(main)(int(os.environ.get("LOCAL_RANK", 0)), args)  # torchrun's summary
         if int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) > 1:  # srun -n 2 python script.py
             sys.exit("error: srun -n N starts N separate jobs; run torchrun once per node")
         if 0 < torch.cuda.device_count() < args.nprocs and not args.cpu:
             sys.exit(f"error: --nprocs {args.nprocs}, but fewer GPUs here; use fewer, or --cpu")
-        os.environ["WORLD_SIZE"] = str(args.nprocs)  # the ranks inherit the environment
         os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() // args.nprocs or 1))  # cores
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        with socket.socket() as s:  # fixed: not the tutorials' 12355 (it collides): a free port
-            s.bind((os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", 0))))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        addr, port = os.environ.setdefault("MASTER_ADDR", "127.0.0.1"), os.getenv("MASTER_PORT", 0)
+        store = dist.TCPStore(addr, int(port), is_master=True)  # fixed: not 12355; yours or free,
+        os.environ.update(MASTER_PORT=str(store.port), WORLD_SIZE=str(args.nprocs))  # held by us:
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # ranks join our store, as torchrun's
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # `cmd &` ignored it; so would
+        signal.signal(signal.SIGTERM, stop)  # the ranks, whose death-of-parent signal it is
         mp.spawn(main, (args,), nprocs=args.nprocs)  # one rank fails: SIGTERM to the others
-    except (mp.ProcessExitedException, mp.ProcessRaisedException, OSError) as e:
-        # a rank failed and said why, or we do; a MASTER_PORT you set is taken; no --metrics-out dir
-        sys.exit(e.exit_code if getattr(e, "exit_code", 0) > 0 else f"error: {e}")
-    except KeyboardInterrupt:  # Ctrl-C, or a stop (SIGTERM): every rank got it too
+    except (mp.ProcessExitedException, mp.ProcessRaisedException, OSError, dist.DistError) as e:
+        sys.exit(max(getattr(e, "exit_code", 0), 0) or f"error: {e}")  # a rank said why, or we do
+    except KeyboardInterrupt:  # Ctrl-C, which every rank got too, or a stop (above)
         sys.exit(130)
 
 

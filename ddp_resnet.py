@@ -1,13 +1,11 @@
 """DDP ResNet (AIME part 2, the DDP tutorial's checkpoints): rank 0 saves, every rank reloads.
-Own images: --data train --val-data val. Own model, data: change build_model, load_datasets.
-    torchrun --standalone --nproc-per-node=2 ddp_resnet.py --cpu --arch resnet18 --max-steps 10"""
+torchrun --standalone --nproc-per-node=2 ddp_resnet.py --cpu --arch resnet18 --max-steps 10"""
 
 import argparse
 import io
 import json
 import os
 import signal
-import socket
 import sys
 import time
 from datetime import timedelta
@@ -27,12 +25,11 @@ mp.set_forkserver_preload(["torchvision"])  # the loader workers' server imports
 
 def ddp_setup(local_rank: int, args: argparse.Namespace) -> torch.device:
     os.environ.setdefault("RANK", str(local_rank))  # spawned by launch(): rank = local rank
-    cuda = torch.cuda.is_available() and not args.cpu
+    cuda = torch.cuda.is_available() and not args.cpu  # fixed: not NCCL-only: gloo on CPU too
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)  # before any collective, or every rank uses cuda:0
-    # fixed: NCCL needs a GPU per process, gloo runs anywhere; a finite timeout ends a hung job
-    backend, timeout = ("nccl" if cuda else "gloo"), timedelta(seconds=args.timeout)
+    backend, timeout = ("nccl" if cuda else "gloo"), timedelta(seconds=args.timeout)  # ends a hang
     dist.init_process_group(backend, timeout=timeout, device_id=device if cuda else None)
     signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stop ends a save as Ctrl-C does
     return device
@@ -44,14 +41,12 @@ def print0(*args) -> None:
 
 
 def load_datasets(args: argparse.Namespace) -> tuple:  # train, val (or None), classes
-    size, imagenet = args.image_size, ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
-    # the tutorial's Resize(256), CenterCrop(224) at any --image-size; ImageNet's mean and std
-    resize = [T.Resize(size * 8 // 7), T.CenterCrop(size), T.ToTensor(), T.Normalize(*imagenet)]
+    size, imagenet = args.image_size, T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+    resize = [T.Resize(size * 8 // 7), T.CenterCrop(size), T.ToTensor(), imagenet]  # the tutorial's
     if args.data:  # fixed: the tutorial's ImageFolder(root=, ...) is a syntax error
         train = datasets.ImageFolder(args.data, transform=T.Compose(resize))
     else:  # 12,800 random images, 256 distinct ones made once: no decoding
-        g = torch.Generator().manual_seed(args.seed)
-        images = TensorDataset(torch.randn(256, 3, size, size, generator=g), torch.arange(256))
+        images = TensorDataset(torch.randn(256, 3, size, size), torch.arange(256))  # by --seed
         train = Subset(images, [i % 256 for i in range(12800)])
         train.classes = [str(c) for c in range(256)]
     val = args.val_data and datasets.ImageFolder(args.val_data, T.Compose(resize))
@@ -67,6 +62,7 @@ def build_model(args: argparse.Namespace, num_classes: int) -> torch.nn.Module:
 
 def train(model: DDP, dataloader, optimizer, epoch: int, steps: int, args) -> dict:
     dataloader.sampler.set_epoch(epoch)  # fixed: without it every epoch has the same order
+    torch.manual_seed(hash((args.seed, epoch, dist.get_rank())))  # dropout, augmentation, workers
     device, batch = next(model.parameters()).device, args.batch_size * dist.get_world_size()
     total, began, shown = torch.zeros(2, device=device), time.monotonic(), time.monotonic()
     for step, (images, labels) in zip(range(1, steps + 1), dataloader, strict=False):
@@ -122,9 +118,8 @@ def save_model(epoch: int, model: DDP, optimizer, args) -> str:  # atomic: tmp, 
 
 def load_model(epoch: int, model: DDP, optimizer, args) -> None:  # every rank, rank 0's file
     dist.barrier()  # before the load, not after the save: it guards --resume's first load too
-    file, device = Path(args.ckpt_dir) / f"epoch_{epoch}.pt", next(model.parameters()).device
-    # fixed: map_location={"cuda:0": f"cuda:{rank}"} fails on CPUs; our own device always fits
-    ckpt = torch.load(file, map_location=device, weights_only=True)  # runs no pickled code
+    file = Path(args.ckpt_dir) / f"epoch_{epoch}.pt"  # fixed: a cuda:0->cuda:rank map fails on CPU
+    ckpt = torch.load(file, map_location=next(model.parameters()).device, weights_only=True)
     model.module.load_state_dict(ckpt["model_state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_state_dict"])
 
@@ -133,12 +128,12 @@ def run_training_process_on_given_gpu(local_rank: int, args: argparse.Namespace)
     device = ddp_setup(local_rank, args)
     mp.set_start_method("forkserver", force=True)  # loader workers: a fork of a gloo rank can hang
     try:
+        torch.manual_seed(args.seed)  # the same synthetic images and initial weights on every rank
         train_set, val_set, num_classes = load_datasets(args)
         # fixed: --workers per rank (4 * GPUs each made 4 * GPUs**2); drop_last: BatchNorm needs 2
         kwargs = dict(num_workers=args.workers, pin_memory=device.type == "cuda", drop_last=True)
         sampler = DistributedSampler(train_set, seed=args.seed)  # each rank its shuffled share
         dataloader = DataLoader(train_set, args.batch_size, sampler=sampler, **kwargs)
-        torch.manual_seed(args.seed)  # the same initial weights on every rank
         model = DDP(build_model(args, num_classes).to(device, memory_format=args.memory_format))
         optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
         start = torch.tensor(args.start_epoch, device=device)
@@ -178,26 +173,31 @@ def line(head: str, m: dict, *keys: str) -> str:
 
 # --- launching and checks (the same in every DDP script of this collection) ---
 def launch(main, args: argparse.Namespace) -> None:  # torchrun: we are one rank; else spawn
+    def stop(*_) -> None:  # SIGTERM (kill) to the launcher: passed on to the ranks; Ctrl-C for us
+        for p in [*mp.active_children(), mp.current_process()]:
+            os.kill(p.pid, signal.SIGINT if p.pid == os.getpid() else signal.SIGTERM)
+
     try:
-        if os.environ.get("LOCAL_RANK", "0") == "0":  # one process a node: the others wait for it
-            Path(args.metrics_out or ".").parent.mkdir(parents=True, exist_ok=True)  # or its error
-        if "RANK" in os.environ:  # torchrun set RANK, LOCAL_RANK, WORLD_SIZE and MASTER_*
-            return record(main)(int(os.environ["LOCAL_RANK"]), args)  # in torchrun's summary
+        if args.metrics_out and os.environ.get("RANK", "0") == "0":  # its writer, before training:
+            Path(args.metrics_out).parent.mkdir(parents=True, exist_ok=True)
+            open(args.metrics_out, "a").close()  # can it write there? if not, an OSError says why
+        if "RANK" in os.environ:  # torchrun sets RANK, LOCAL_RANK...; a cluster's pod may set RANK
+            return record(main)(int(os.environ.get("LOCAL_RANK", 0)), args)  # torchrun's summary
         if int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) > 1:  # srun -n 2 python script.py
             sys.exit("error: srun -n N starts N separate jobs; run torchrun once per node")
         if 0 < torch.cuda.device_count() < args.nprocs and not args.cpu:
             sys.exit(f"error: --nprocs {args.nprocs}, but fewer GPUs here; use fewer, or --cpu")
-        os.environ["WORLD_SIZE"] = str(args.nprocs)  # the ranks inherit the environment
         os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() // args.nprocs or 1))  # cores
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        with socket.socket() as s:  # fixed: not the tutorials' 12355 (it collides): a free port
-            s.bind((os.environ["MASTER_ADDR"], int(os.environ.get("MASTER_PORT", 0))))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+        addr, port = os.environ.setdefault("MASTER_ADDR", "127.0.0.1"), os.getenv("MASTER_PORT", 0)
+        store = dist.TCPStore(addr, int(port), is_master=True)  # fixed: not 12355; yours or free,
+        os.environ.update(MASTER_PORT=str(store.port), WORLD_SIZE=str(args.nprocs))  # held by us:
+        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # ranks join our store, as torchrun's
+        signal.signal(signal.SIGINT, signal.default_int_handler)  # `cmd &` ignored it; so would
+        signal.signal(signal.SIGTERM, stop)  # the ranks, whose death-of-parent signal it is
         mp.spawn(main, (args,), nprocs=args.nprocs)  # one rank fails: SIGTERM to the others
-    except (mp.ProcessExitedException, mp.ProcessRaisedException, OSError) as e:
-        # a rank failed and said why, or we do; a MASTER_PORT you set is taken; no --metrics-out dir
-        sys.exit(e.exit_code if getattr(e, "exit_code", 0) > 0 else f"error: {e}")
-    except KeyboardInterrupt:  # Ctrl-C, or a stop (SIGTERM): every rank got it too
+    except (mp.ProcessExitedException, mp.ProcessRaisedException, OSError, dist.DistError) as e:
+        sys.exit(max(getattr(e, "exit_code", 0), 0) or f"error: {e}")  # a rank said why, or we do
+    except KeyboardInterrupt:  # Ctrl-C, which every rank got too, or a stop (above)
         sys.exit(130)
 
 
@@ -222,14 +222,14 @@ def check_args(args: argparse.Namespace) -> None:  # one line each, before any r
     file = max(saved, key=lambda f: int(f.stem[6:]), default=None)  # the newest
     if file and not args.resume:  # another run's: a later --resume would go on from it
         sys.exit(f"error: {file} exists: add --resume to go on from it, or use another --ckpt-dir")
-    try:  # a file in the folder's place; a damaged checkpoint; another model's
+    try:  # a file in the folder's place, a read-only disk; a damaged checkpoint, another model's
         Path(args.ckpt_dir).mkdir(parents=True, exist_ok=True)
         if file:
             ckpt = torch.load(file, map_location="cpu", weights_only=True)["model_state_dict"]
             build_model(args, num_classes).load_state_dict(ckpt)
     except Exception as e:
-        why = " ".join(str(e).split("WeightsUnpickler error:")[-1].split())  # on one line
-        sys.exit(f"error: cannot resume from {file or args.ckpt_dir}: {why[:300]}")
+        why = " ".join(str(e).split("WeightsUnpickler error:")[-1].split())[:300]  # one line
+        sys.exit(f"error: cannot {f'resume from {file}' if file else 'make --ckpt-dir'}: {why}")
     args.start_epoch = int(file.stem[6:]) + 1 if file else 1
     args.todo = f"resuming from {file} | " * bool(file) + f"epochs {args.start_epoch}-{args.epochs}"
     if args.start_epoch > args.epochs:  # a finished run resumed: scored again with --val-data

@@ -38,9 +38,7 @@ def build_model(args: argparse.Namespace, num_classes: int) -> torch.nn.Module:
     return models.get_model(args.arch, weights=None, num_classes=num_classes)
 
 
-class Bf16Autocast(torch.nn.Sequential):
-    """--amp: DataParallel's replicas run in threads, where autocast would use fp16, not bf16."""
-
+class Bf16Autocast(torch.nn.Sequential):  # --amp: DataParallel's threads would autocast to fp16
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         with torch.autocast(x.device.type, dtype=torch.bfloat16):
             return super().forward(x)
@@ -75,11 +73,11 @@ def load_model(epoch: int, net: torch.nn.Module, optimizer, args) -> None:
 
 
 def run_training(gpus: int, train_set, num_classes: int, args: argparse.Namespace) -> None:
-    # fixed: shuffle=False gave every epoch one order; seeded per epoch (as set_epoch in DDP),
-    # a resumed run sees an unbroken one's orders. drop_last: BatchNorm fails on a batch of 1.
+    # fixed: shuffle=False gave every epoch one order; seeded per epoch (below), a resumed run has
+    # an unbroken one's orders, augmentation and dropout. drop_last: BatchNorm fails on 1 image.
     kwargs = dict(num_workers=args.workers, pin_memory=gpus > 0, drop_last=True)
-    generator, device = torch.Generator(), torch.device("cuda" if gpus else "cpu", 0)
-    dataloader = DataLoader(train_set, args.batch_size, True, generator=generator, **kwargs)
+    device = torch.device("cuda" if gpus else "cpu", 0)
+    dataloader = DataLoader(train_set, args.batch_size, True, **kwargs)
     torch.manual_seed(0)
     model = net = build_model(args, num_classes).to(device, memory_format=args.memory_format)
     if gpus:  # the replicas start on GPU 0; see Bf16Autocast
@@ -92,7 +90,7 @@ def run_training(gpus: int, train_set, num_classes: int, args: argparse.Namespac
     for epoch in range(args.start_epoch, args.epochs + 1):  # fixed: range(1, 30) ran 29 epochs
         if epoch > 1:
             load_model(epoch - 1, net, optimizer, args)
-        generator.manual_seed(epoch)  # a new order each epoch, see above
+        torch.manual_seed(epoch)  # the order and the randomness of each epoch, see above
         total, began, shown = torch.zeros((), device=device), time.monotonic(), time.monotonic()
         for step, (images, labels) in zip(range(1, steps + 1), dataloader, strict=False):
             images = images.to(device, non_blocking=True, memory_format=args.memory_format)
@@ -129,8 +127,9 @@ def check_args(args: argparse.Namespace) -> int:  # refuse in one line; the GPUs
     try:  # before training, not after: a file in a folder's place, a read-only disk
         Path(args.ckpt_dir).mkdir(parents=True, exist_ok=True)
         Path(args.metrics_out or ".").parent.mkdir(parents=True, exist_ok=True)
+        open(args.metrics_out or os.devnull, "a").close()  # written at the end: can it be?
     except OSError as e:
-        sys.exit(f"error: cannot make the folder {e.filename}: {e.strerror}")
+        sys.exit(f"error: cannot make {e.filename}: {e.strerror}")
     args.start_epoch = int(file.stem[6:]) + 1 if file else 1
     args.todo = f"resuming from {file} | " * bool(file) + f"epochs {args.start_epoch}-{args.epochs}"
     if args.start_epoch > args.epochs:  # a finished run resumed
