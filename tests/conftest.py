@@ -197,6 +197,26 @@ def uninterrupted(tmp_path_factory):
     return folder, result.stdout, result.stderr
 
 
+@pytest.fixture
+def read_only(tmp_path):
+    """A folder nothing can be written in, and the words of the error a write there gets: a
+    read-only tmpfs where the tests run as root (as CI does), else a folder of mode 0o555."""
+    folder = tmp_path / "read_only"
+    folder.mkdir()
+    if os.geteuid() != 0:
+        folder.chmod(0o555)
+        yield folder, "[Errno 13] Permission denied"
+        folder.chmod(0o755)
+        return
+    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", folder])
+    if mount.returncode:
+        if os.environ.get("CI"):
+            pytest.fail("CI runs as root and must mount a read-only tmpfs")
+        pytest.skip("root without mount: no folder is read-only to us here")
+    yield folder, "[Errno 30] Read-only file system"
+    subprocess.run(["umount", "-l", folder])
+
+
 def same_weights(a, b) -> None:
     """Two checkpoints hold bitwise-equal weights and momentum buffers."""
     import torch

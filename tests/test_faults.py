@@ -93,28 +93,68 @@ def test_busy_default_ports_and_two_runs_at_once(tmp_path):
                 s.close()
 
 
-def test_master_port_from_the_environment_is_used_and_a_busy_one_refused():
+def in_use(stderr: str, port: int) -> None:
+    """The one line of a refused MASTER_PORT (torch's words for EADDRINUSE), and nothing else."""
+    assert stderr.startswith("error: ") and len(stderr.splitlines()) == 1, stderr[-3000:]
+    assert "address already in use" in stderr.lower() and str(port) in stderr, stderr
+
+
+def test_master_port_from_the_environment_is_held_and_a_busy_one_refused(tmp_path):
+    """Two runs started together with the same exported MASTER_PORT: the launcher that binds it
+    first holds it for its ranks, so the other is refused at once in one line (before, both
+    passed the launcher's check, and rank 0 of one died on the port 30 s before its rank 1)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = start(python("ddp_gather.py", "--cpu"), env={"MASTER_PORT": str(port)})
-    deadline, seen = time.monotonic() + 60, None
-    while seen is None and time.monotonic() < deadline and proc.poll() is None:
+    flags = [*RESNET, "--nprocs", 2, "--epochs", 2]
+    procs = [
+        start(
+            python("ddp_resnet.py", *flags, "--ckpt-dir", tmp_path / run),
+            env={"MASTER_PORT": str(port)},
+        )
+        for run in "ab"
+    ]
+    began, deadline, seen = time.monotonic(), time.monotonic() + 60, None
+    while seen is None and time.monotonic() < deadline and procs[0].poll() is None:
         seen = listening_ports().get(port)
         time.sleep(0.02)
-    finish(proc, timeout=TIMEOUT)
-    assert seen is not None, f"nothing listened on MASTER_PORT {port} during the run"
-    s = occupy(0)
+    results = finish_all(procs, timeout=TIMEOUT, check=False)
+    assert seen is not None, f"nothing listened on MASTER_PORT {port} during the runs"
+    assert sorted(r.returncode for r in results) == [0, 1], [r.stderr[-2000:] for r in results]
+    refused = next(r for r in results if r.returncode)
+    in_use(refused.stderr, port)
+    assert "start |" not in refused.stdout and time.monotonic() - began < TIMEOUT
+    s = occupy(0)  # taken by another program: refused the same way
     try:
+        port = s.getsockname()[1]
         res = run(
             python("ddp_gather.py", "--cpu"),
             timeout=60,
             check=False,
-            env={"MASTER_PORT": str(s.getsockname()[1])},
+            env={"MASTER_PORT": str(port)},
         )
     finally:
         s.close()
-    assert res.returncode == 1 and res.stderr == "error: [Errno 98] Address already in use\n"
+    assert res.returncode == 1
+    in_use(res.stderr, port)
+
+
+def test_an_unwritable_metrics_file_is_refused_before_any_rank_starts(read_only, tmp_path):
+    """--metrics-out in a folder that exists but cannot be written: one line before training,
+    not rank 0's traceback once the run is over; under torchrun, from rank 0 alone."""
+    folder, why = read_only
+    out = folder / "m.json"
+    cmds = [
+        python("ddp_gather.py", "--cpu", "--metrics-out", out),
+        python("ddp_fashionmnist.py", *FM, "--metrics-out", out),
+        python("ddp_resnet.py", *RESNET, "--ckpt-dir", tmp_path / "ck", "--metrics-out", out),
+        torchrun("ddp_gather.py", 2, "--cpu", "--metrics-out", out),
+    ]
+    results = finish_all([start(c) for c in cmds], timeout=TIMEOUT, check=False)
+    for cmd, res in zip(cmds, results, strict=True):
+        assert res.returncode == 1 and "start |" not in res.stdout, (cmd, res.stderr[-2000:])
+        line = f"error: {why}: '{out}'"
+        assert sum(x == line for x in res.stderr.splitlines()) == 1, (cmd, res.stderr[-2000:])
 
 
 def test_under_torchrun_a_refusal_is_one_line_a_node(tmp_path):
@@ -327,14 +367,22 @@ def interrupted(res, how: str) -> None:
         assert res.returncode == 130 and "Traceback" not in res.stderr, res.stderr[-3000:]
 
 
+def as_in_a_script() -> None:
+    """`cmd &` in a shell script starts cmd with Ctrl-C (SIGINT) ignored; its children inherit it."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 @pytest.mark.parametrize("how", ["spawn", "torchrun", "dp"])
-def test_ctrl_c_mid_epoch_then_during_a_save_then_resume(how, tmp_path):
+def test_a_stop_mid_epoch_then_ctrl_c_during_a_save_then_resume(how, tmp_path):
+    """A stop (SIGTERM) of the launcher alone, as `kill PID` sends it to a run a script started
+    with `&`: every rank stops as on Ctrl-C, and the launcher after them. Then Ctrl-C, sent to the
+    whole process group as a terminal does, while a checkpoint is being written."""
     folder = tmp_path / "ckpt"
     flags = ["--epochs", 3, "--ckpt-dir", folder]
-    proc = start(command(how, *flags))  # Ctrl-C mid-epoch: once epoch 2 has begun
+    proc = start(command(how, *flags), preexec_fn=as_in_a_script)  # stopped once epoch 2 began
     for _ in lines(proc, TIMEOUT, until=lambda line: line.startswith("epoch 2/3 | step")):
         pass
-    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
+    os.kill(proc.pid, signal.SIGTERM)  # the launcher (torchrun, or our own) alone
     sent = time.monotonic()
     res = finish(proc, timeout=30, check=False)  # also fails if any process is left
     assert time.monotonic() - sent < 15
@@ -345,7 +393,7 @@ def test_ctrl_c_mid_epoch_then_during_a_save_then_resume(how, tmp_path):
     while not any(n.endswith(".tmp") for n in os.listdir(folder)):
         assert time.monotonic() < deadline and proc.poll() is None, "no save was ever seen"
         time.sleep(0.001)
-    os.killpg(proc.pid, signal.SIGINT)
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
     sent = time.monotonic()
     res = finish(proc, timeout=30, check=False)
     assert time.monotonic() - sent < 15

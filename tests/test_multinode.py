@@ -66,6 +66,30 @@ def test_resnet_across_two_nodes_with_a_shared_checkpoint_folder(uninterrupted, 
     same_weights(uninterrupted[0] / "epoch_3.pt", ckpt / "epoch_3.pt")
 
 
+def test_processes_with_rank_but_no_local_rank_join_as_that_rank(uninterrupted, tmp_path):
+    """A Kubernetes PyTorchJob starts one process per pod with MASTER_ADDR, MASTER_PORT,
+    WORLD_SIZE and RANK, and no LOCAL_RANK: each joins the group as that rank, local rank 0.
+    Here two by hand per script, all at once; the ResNet trains the weights of a spawned run."""
+    ckpt, out = tmp_path / "ckpt", {s: tmp_path / f"{s}.json" for s in ("gather", "fm", "resnet")}
+    runs = {
+        "gather": ["ddp_gather.py", "--cpu"],
+        "fm": ["ddp_fashionmnist.py", "--cpu", "--synthetic", "--epochs", 1, "--timeout", 60],
+        "resnet": ["ddp_resnet.py", *RESNET, "--epochs", 3, "--ckpt-dir", ckpt],
+    }
+    procs = []
+    for name, (script, *flags) in runs.items():
+        env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+        for rank in (0, 1):
+            metrics_flags = ["--metrics-out", out[name]] if rank == 0 else []
+            cmd = [sys.executable, str(ROOT / script), *map(str, [*flags, *metrics_flags])]
+            procs.append(start(cmd, env={**env, "RANK": str(rank), **ONE_THREAD}))
+    finish_all(procs, timeout=240)
+    assert [g["dict"]["rank"] for g in metrics(out["gather"])["gathered"]] == [0, 1]
+    assert metrics(out["fm"])["world_size"] == 2 and metrics(out["fm"])["test_samples"] == 10000
+    assert metrics(out["resnet"])["world_size"] == 2
+    same_weights(uninterrupted[0] / "epoch_3.pt", ckpt / "epoch_3.pt")
+
+
 def test_only_global_rank_0_writes_checkpoints(tmp_path):
     """Node 1 has LOCAL_RANK 0 too; with a folder node 0 cannot see, it finds nothing to reload."""
     a, b = tmp_path / "node0", tmp_path / "node1"

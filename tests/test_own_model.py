@@ -1,38 +1,37 @@
-"""A user's own model and data: copy ddp_resnet.py, replace exactly build_model and
-load_datasets (a small CNN, an in-memory TensorDataset with a validation split), and the copy
-launches, trains, validates each image once, saves and resumes as the original does."""
+"""A user's own model and data: copy ddp_resnet.py (or dp_resnet.py), replace exactly
+build_model and load_datasets (a small CNN with dropout, images randomly cropped and flipped in
+the loader workers, a validation set), and the copy launches, trains, validates each image once,
+saves and resumes as the original does: to the bit of a run that was never stopped."""
 
 import difflib
 import sys
 
 import torch
 
-from conftest import ROOT, metrics, run
+from conftest import ONE_THREAD, ROOT, finish_all, metrics, run, same_weights, start
 
 OWN = '''def load_datasets(args: argparse.Namespace) -> tuple:
-    """The training and validation sets (None without --val-data), and the number of classes."""
-    g = torch.Generator().manual_seed(0)
-    images = torch.randn(70, 3, 16, 16, generator=g)
-    labels = (images.mean(dim=(1, 2, 3)) > 0).long()  # bright or dark: learnable
-    data = TensorDataset(images, labels)
-    return Subset(data, range(60)), Subset(data, range(60, 70)), 2
+    """Random crops and flips of the training images, plain validation images, two classes."""
+    augment = T.Compose([T.RandomCrop(16, padding=2), T.RandomHorizontalFlip(), T.ToTensor()])
+    train = datasets.FakeData(60, (3, 16, 16), 2, transform=augment)
+    return train, datasets.FakeData(10, (3, 16, 16), 2, T.ToTensor(), random_offset=60), 2
 
 
 def build_model(args: argparse.Namespace, num_classes: int) -> torch.nn.Module:
     return torch.nn.Sequential(
-        torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+        torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.Dropout(0.5),
         torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, num_classes),
     )
 '''
 
 
-def own_copy(folder):
-    text = (ROOT / "ddp_resnet.py").read_text()
+def own_copy(folder, original="ddp_resnet.py", own=OWN):
+    text = (ROOT / original).read_text()
     start, end = (
         text.index("def load_datasets"),
         text.index("\n\n\n", text.index("def build_model")),
     )
-    copy = text[:start] + OWN.rstrip("\n") + text[end:]
+    copy = text[:start] + own.rstrip("\n") + text[end:]
     (folder / "my_training.py").write_text(copy)
     diff = [
         d
@@ -48,14 +47,19 @@ def test_own_model_and_data_in_two_functions(tmp_path):
         f"the swap changes {len(diff)} lines: {sum(d[0] == '-' for d in diff)} out, {sum(d[0] == '+' for d in diff)} in"
     )
     ckpt, flags = tmp_path / "ckpt", ["--cpu", "--nprocs", 2, "--batch-size", 5, "--timeout", 60]
+    flags += ["--workers", 1]  # the random crops and flips happen in a loader worker of each rank
     cmd = [sys.executable, script, *flags, "--ckpt-dir", ckpt, "--metrics-out", tmp_path / "m.json"]
-    res = run([str(c) for c in [*cmd, "--epochs", 2]], timeout=120)
+    unbroken = [sys.executable, script, *flags, "--ckpt-dir", tmp_path / "unbroken", "--epochs", 3]
+    res, _ = finish_all(  # at once: 2 epochs, and 3 that are never stopped
+        [start([str(c) for c in c], env=ONE_THREAD) for c in ([*cmd, "--epochs", 2], unbroken)],
+        timeout=180,
+    )
     m = metrics(tmp_path / "m.json")
     assert (m["model"], m["epochs_run"], m["steps"], m["val_samples"]) == ("Sequential", 2, 6, 10)
     assert m["script"] == "my_training.py"  # the copy's own name, in the start line too
     assert res.stdout.splitlines()[0].startswith("start | script my_training.py | world_size 2 |")
     assert "| model Sequential | steps 6 | epochs 1-2" in res.stdout.splitlines()[0]
-    res = run([str(c) for c in [*cmd, "--epochs", 3, "--resume"]], timeout=120)
+    res = run([str(c) for c in [*cmd, "--epochs", 3, "--resume"]], timeout=120, env=ONE_THREAD)
     m = metrics(tmp_path / "m.json")
     assert (m["epochs_run"], m["val_samples"]) == (1, 10) and m["checkpoint"] == str(
         ckpt / "epoch_3.pt"
@@ -63,7 +67,32 @@ def test_own_model_and_data_in_two_functions(tmp_path):
     assert res.stdout.splitlines()[0].endswith(
         f"| resuming from {ckpt / 'epoch_2.pt'} | epochs 3-3"
     )
+    # every epoch's crops, flips and dropout come from --seed, the epoch and the rank: resumed
+    # after epoch 2, the run ends where the one that never stopped ends
+    same_weights(tmp_path / "unbroken" / "epoch_3.pt", ckpt / "epoch_3.pt")
     ckpt = torch.load(ckpt / "epoch_3.pt", weights_only=True)
     assert (
         ckpt["epoch"] == 3 and "0.weight" in ckpt["model_state_dict"]
     )  # a plain Sequential's keys
+
+
+DP_OWN = OWN.replace(
+    "return train, datasets.FakeData(10, (3, 16, 16), 2, T.ToTensor(), random_offset=60), 2",
+    "return train, 2  # dp_resnet.py's load_datasets has no validation set",
+)
+
+
+def test_dataparallel_copy_resumes_to_the_bit_with_augmentation_and_dropout(tmp_path):
+    script, _ = own_copy(tmp_path, "dp_resnet.py", DP_OWN)
+    flags = [sys.executable, script, "--cpu", "--batch-size", 5, "--workers", 1]
+    first, unbroken = tmp_path / "first", tmp_path / "unbroken"
+    finish_all(  # at once: 1 epoch, and 2 that are never stopped
+        [
+            start([str(c) for c in [*flags, "--epochs", e, "--ckpt-dir", d]], env=ONE_THREAD)
+            for e, d in ((1, first), (2, unbroken))
+        ],
+        timeout=180,
+    )
+    cmd = [*flags, "--epochs", 2, "--ckpt-dir", first, "--resume"]
+    run([str(c) for c in cmd], timeout=120, env=ONE_THREAD)
+    same_weights(unbroken / "epoch_2.pt", first / "epoch_2.pt")

@@ -206,7 +206,8 @@ def test_a_bad_checkpoint_on_resume_is_one_line_naming_its_cause(script, uninter
 
 
 @pytest.mark.parametrize("script", ["ddp_resnet.py", "dp_resnet.py"])
-def test_bad_input_is_one_line_and_nothing_starts(script, tmp_path):
+def test_bad_input_is_one_line_and_nothing_starts(script, tmp_path, read_only):
+    folder, why = read_only
     (tmp_path / "file").write_text("a file where a folder should be")
     (tmp_path / "empty").mkdir()
     (tmp_path / "no_images" / "only_class").mkdir(parents=True)
@@ -231,22 +232,39 @@ def test_bad_input_is_one_line_and_nothing_starts(script, tmp_path):
         (
             ["--ckpt-dir", tmp_path / "file"],
             1,
-            f"error: cannot make the folder {tmp_path / 'file'}: File exists"
+            f"error: cannot make {tmp_path / 'file'}: File exists"
             if script == "dp_resnet.py"
-            else f"error: cannot resume from {tmp_path / 'file'}: [Errno 17] File exists: ",
+            else f"error: cannot make --ckpt-dir: [Errno 17] File exists: '{tmp_path / 'file'}'",
         ),
         (  # found before training, not when rank 0 writes it at the end
             ["--metrics-out", tmp_path / "file" / "m.json"],
             1,
-            f"error: cannot make the folder {tmp_path / 'file'}: File exists"
+            f"error: cannot make {tmp_path / 'file'}: File exists"
             if script == "dp_resnet.py"
             else f"error: [Errno 17] File exists: '{tmp_path / 'file'}'",
+        ),
+        (  # a folder that exists, where the file cannot be written
+            ["--metrics-out", folder / "m.json"],
+            1,
+            f"error: cannot make {folder / 'm.json'}: {why.split('] ')[1]}"
+            if script == "dp_resnet.py"
+            else f"error: {why}: '{folder / 'm.json'}'",
         ),
         (["--batch-size", 13000], 1, "error: 12800 images, too few for --batch-size 13000"),
     ]
     procs = [
         start(command(script, "--ckpt-dir", tmp_path / "ck", *f)) for f, _, _ in cases
-    ]  # at once
+    ]  # at once, and a fresh run in a read-only current folder: it cannot make its --ckpt-dir
+    procs.append(start(command(script), cwd=folder))
+    cases.append(
+        (
+            ["(in a read-only folder)"],
+            1,
+            f"error: cannot make model_checkpoints: {why.split('] ')[1]}"
+            if script == "dp_resnet.py"
+            else f"error: cannot make --ckpt-dir: {why}: 'model_checkpoints'",
+        )
+    )
     for proc, (flags, code, line) in zip(procs, cases, strict=True):
         res = finish(proc, TIMEOUT, check=False)
         assert res.returncode == code, (flags, res.stderr)
