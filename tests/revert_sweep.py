@@ -33,8 +33,8 @@ R = [
     (
         "gather: port 12355",
         "ddp_gather.py",
-        'os.environ["MASTER_PORT"] = str(s.getsockname()[1])',
-        'os.environ["MASTER_PORT"] = "12355"',
+        "store = dist.TCPStore(addr, int(port), is_master=True)",
+        "store = dist.TCPStore(addr, 12355, is_master=True)",
         "tests/test_faults.py::test_busy_default_ports_and_two_runs_at_once",
     ),
     (
@@ -140,7 +140,7 @@ R = [
         "ddp_resnet.py",
         'tmp, buffer = file.with_name(file.name + ".tmp"), io.BytesIO()',
         'tmp, buffer = file.with_name(file.name + ".tmp"), io.BytesIO()\n    file.touch()',
-        "tests/test_faults.py::test_ctrl_c_mid_epoch_then_during_a_save_then_resume",
+        "tests/test_faults.py::test_a_stop_mid_epoch_then_ctrl_c_during_a_save_then_resume",
     ),
     (
         "ddp: no barrier",
@@ -201,7 +201,7 @@ R = [
     (
         "dp: no reseed per epoch",
         "dp_resnet.py",
-        "        generator.manual_seed(epoch)",
+        "        torch.manual_seed(epoch)",
         "        pass",
         "tests/test_fixes.py::test_dp_reshuffles_every_epoch_from_the_epoch_number",
     ),
@@ -224,7 +224,7 @@ R = [
         "dp_resnet.py",
         'tmp, buffer = file.with_name(file.name + ".tmp"), io.BytesIO()',
         'tmp, buffer = file.with_name(file.name + ".tmp"), io.BytesIO()\n    file.touch()',
-        "tests/test_faults.py::test_ctrl_c_mid_epoch_then_during_a_save_then_resume",
+        "tests/test_faults.py::test_a_stop_mid_epoch_then_ctrl_c_during_a_save_then_resume",
     ),
     (
         "dp: weights_only=False",

@@ -49,30 +49,30 @@ def test_own_model_and_data_in_two_functions(tmp_path):
     ckpt, flags = tmp_path / "ckpt", ["--cpu", "--nprocs", 2, "--batch-size", 5, "--timeout", 60]
     flags += ["--workers", 1]  # the random crops and flips happen in a loader worker of each rank
     cmd = [sys.executable, script, *flags, "--ckpt-dir", ckpt, "--metrics-out", tmp_path / "m.json"]
-    unbroken = [sys.executable, script, *flags, "--ckpt-dir", tmp_path / "unbroken", "--epochs", 3]
-    res, _ = finish_all(  # at once: 2 epochs, and 3 that are never stopped
-        [start([str(c) for c in c], env=ONE_THREAD) for c in ([*cmd, "--epochs", 2], unbroken)],
+    unbroken = [sys.executable, script, *flags, "--ckpt-dir", tmp_path / "unbroken", "--epochs", 2]
+    res, _ = finish_all(  # at once: 1 epoch, and 2 that are never stopped
+        [start([str(c) for c in c], env=ONE_THREAD) for c in ([*cmd, "--epochs", 1], unbroken)],
         timeout=180,
     )
     m = metrics(tmp_path / "m.json")
-    assert (m["model"], m["epochs_run"], m["steps"], m["val_samples"]) == ("Sequential", 2, 6, 10)
+    assert (m["model"], m["epochs_run"], m["steps"], m["val_samples"]) == ("Sequential", 1, 6, 10)
     assert m["script"] == "my_training.py"  # the copy's own name, in the start line too
     assert res.stdout.splitlines()[0].startswith("start | script my_training.py | world_size 2 |")
-    assert "| model Sequential | steps 6 | epochs 1-2" in res.stdout.splitlines()[0]
-    res = run([str(c) for c in [*cmd, "--epochs", 3, "--resume"]], timeout=120, env=ONE_THREAD)
+    assert "| model Sequential | steps 6 | epochs 1-1" in res.stdout.splitlines()[0]
+    res = run([str(c) for c in [*cmd, "--epochs", 2, "--resume"]], timeout=120, env=ONE_THREAD)
     m = metrics(tmp_path / "m.json")
     assert (m["epochs_run"], m["val_samples"]) == (1, 10) and m["checkpoint"] == str(
-        ckpt / "epoch_3.pt"
+        ckpt / "epoch_2.pt"
     )
     assert res.stdout.splitlines()[0].endswith(
-        f"| resuming from {ckpt / 'epoch_2.pt'} | epochs 3-3"
+        f"| resuming from {ckpt / 'epoch_1.pt'} | epochs 2-2"
     )
     # every epoch's crops, flips and dropout come from --seed, the epoch and the rank: resumed
-    # after epoch 2, the run ends where the one that never stopped ends
-    same_weights(tmp_path / "unbroken" / "epoch_3.pt", ckpt / "epoch_3.pt")
-    ckpt = torch.load(ckpt / "epoch_3.pt", weights_only=True)
+    # after epoch 1, the run ends where the one that never stopped ends
+    same_weights(tmp_path / "unbroken" / "epoch_2.pt", ckpt / "epoch_2.pt")
+    ckpt = torch.load(ckpt / "epoch_2.pt", weights_only=True)
     assert (
-        ckpt["epoch"] == 3 and "0.weight" in ckpt["model_state_dict"]
+        ckpt["epoch"] == 2 and "0.weight" in ckpt["model_state_dict"]
     )  # a plain Sequential's keys
 
 
