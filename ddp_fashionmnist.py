@@ -43,7 +43,7 @@ def load_datasets(args: argparse.Namespace) -> tuple[Dataset, Dataset]:
     if args.synthetic:  # random data of FashionMNIST's shapes, the same on every rank (seed 0)
         x, y = torch.rand(70000, 1, 28, 28), torch.randint(10, (70000,))
         return TensorDataset(x[:60000], y[:60000]), TensorDataset(x[60000:], y[60000:])
-    sets = [datasets.FashionMNIST(args.data, train=s, download=True) for s in (True, False)]
+    sets = [datasets.FashionMNIST(args.data, train=split) for split in (True, False)]
     # fixed: the tutorial's ToTensor() and then torch.div(images, 255.) scaled them twice
     return tuple(TensorDataset(s.data.unsqueeze(1) / 255, s.targets) for s in sets)
 
@@ -183,7 +183,8 @@ if __name__ == "__main__":
     args = parse_args()
     if not args.synthetic and os.environ.get("LOCAL_RANK", "0") == "0":  # fixed: once a machine
         try:  # reads what is there, downloads what is not (the tutorial: every rank, at once)
-            load_datasets(args)
+            for split in (True, False):  # the files only: the ranks make the tensors
+                datasets.FashionMNIST(args.data, train=split, download=True)
         except Exception as e:  # no network, a damaged file
             sys.exit(f"error: FashionMNIST in {args.data}: {' '.join(str(e).split())}")
     launch(main, args)

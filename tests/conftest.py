@@ -208,13 +208,21 @@ def read_only(tmp_path):
         yield folder, "[Errno 13] Permission denied"
         folder.chmod(0o755)
         return
-    mount = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", folder])
-    if mount.returncode:
-        if os.environ.get("CI"):
-            pytest.fail("CI runs as root and must mount a read-only tmpfs")
-        pytest.skip("root without mount: no folder is read-only to us here")
+    tmpfs(folder, "ro,size=1m")
     yield folder, "[Errno 30] Read-only file system"
     subprocess.run(["umount", "-l", folder])
+
+
+def tmpfs(folder, options: str) -> None:
+    """Mount a tmpfs on the folder: root can, as CI runs; elsewhere the test is skipped (under
+    CI it fails, so that it is never skipped unseen)."""
+    mount = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", folder], capture_output=True, text=True
+    )
+    if mount.returncode:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI runs as root and must mount a tmpfs: {mount.stderr}")
+        pytest.skip(f"cannot mount a tmpfs here ({mount.stderr.strip()})")
 
 
 def same_weights(a, b) -> None:

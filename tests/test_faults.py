@@ -25,6 +25,7 @@ from conftest import (
     run,
     same_weights,
     start,
+    tmpfs,
     torchrun,
 )
 
@@ -409,13 +410,7 @@ def small_disk(tmp_path):
     """A tmpfs of 150 MiB: room for one resnet18 checkpoint (90 MB with momentum), not two."""
     disk = tmp_path / "small"
     disk.mkdir()
-    mount = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=150m", "tmpfs", disk], capture_output=True, text=True
-    )
-    if mount.returncode:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI runs as root and must mount a tmpfs: {mount.stderr}")
-        pytest.skip(f"cannot mount a tmpfs here ({mount.stderr.strip()}); see the file-size test")
+    tmpfs(disk, "size=150m")  # without root: skipped; see the file-size test
     yield disk
     subprocess.run(["umount", "-l", disk])
 
