@@ -1,8 +1,13 @@
-"""The "Data-Parallel Training" tutorial (SeqNet on FashionMNIST, mp.spawn), its bugs fixed.
-    python ddp_fashionmnist.py      # one process per GPU, or 2 on CPU; downloads into ./data once
-    torchrun --standalone --nproc-per-node=2 ddp_fashionmnist.py --cpu --synthetic  # random data
-Rank 0 prints `start | ...`, `epoch 10/10 | loss 0.4578 | 28126 img/s`, `done | test_accuracy`."""
+"""The "Data-Parallel Training" tutorial (SeqNet on FashionMNIST, mp.spawn), fixed.
 
+    python ddp_fashionmnist.py    # one process per GPU, or 2 on CPU; data in ./data
+    torchrun --standalone --nproc-per-node=2 ddp_fashionmnist.py --cpu --synthetic
+
+Rank 0 prints `start | ...`, `epoch 10/10 | loss 0.4578 | 28126 img/s` and
+`done | test_accuracy ...`. --synthetic trains on random data, with no download.
+"""
+
+# fixed: the tutorial also imports mlflow, which it never uses
 import argparse
 import json
 import os
@@ -12,50 +17,89 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-import torch  # fixed: the tutorial also imports mlflow, which it never uses
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    Subset,
+    TensorDataset,
+)
 from torchvision import datasets
 
 
 def ddp_setup(local_rank: int, args: argparse.Namespace) -> torch.device:
-    os.environ.setdefault("RANK", str(local_rank))  # spawned by launch(): rank = local rank
-    cuda = torch.cuda.is_available() and not args.cpu  # fixed: not NCCL-only: gloo on CPU too
+    # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on a CPU
+    cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
-        torch.cuda.set_device(device)  # before any collective, or every rank uses cuda:0
-    backend, timeout = ("nccl" if cuda else "gloo"), timedelta(seconds=args.timeout)  # ends a hang
-    dist.init_process_group(backend, timeout=timeout, device_id=device if cuda else None)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stop ends a save as Ctrl-C does
+        # before the first collective (a call that every rank makes: all_reduce,
+        # broadcast, barrier), or every rank works on cuda:0
+        torch.cuda.set_device(device)
+    backend = "nccl" if cuda else "gloo"
+    # --timeout: a collective that waits longer than this for another rank fails, so
+    # a lost rank ends the job instead of hanging it
+    timeout = timedelta(seconds=args.timeout)
+    # device_id (optional): NCCL connects this GPU now, not at the first collective,
+    # and barrier() knows which GPU to use
+    kwargs = dict(timeout=timeout, device_id=device if cuda else None)
+    # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, which
+    # init_process_group's default, env://, reads.
+    if "RANK" not in os.environ:
+        # Started by mp.spawn in launch() instead. launch() holds MASTER_PORT in a
+        # TCPStore, so that no other run takes the port; this rank joins that store
+        # as a client. On one machine the spawn index is the rank.
+        port = int(os.environ["MASTER_PORT"])
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], port, timeout=timeout)
+        kwargs.update(store=store, rank=local_rank, world_size=args.nprocs)
+    dist.init_process_group(backend, **kwargs)
+    # A stop (SIGTERM) now unwinds the rank as Ctrl-C does, through its `finally`
+    # blocks (where a checkpoint save cleans up).
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     return device
 
 
 def print0(*args) -> None:
-    if int(os.environ.get("RANK", 0)) == 0:  # global rank 0 (and the launcher, before any rank)
+    if dist.get_rank() == 0:
         print(*args, flush=True)
 
 
 def load_datasets(args: argparse.Namespace) -> tuple[Dataset, Dataset]:
-    if args.synthetic:  # random data of FashionMNIST's shapes, the same on every rank (seed 0)
-        x, y = torch.rand(70000, 1, 28, 28), torch.randint(10, (70000,))
-        return TensorDataset(x[:60000], y[:60000]), TensorDataset(x[60000:], y[60000:])
-    sets = [datasets.FashionMNIST(args.data, train=split) for split in (True, False)]
-    # fixed: the tutorial's ToTensor() and then torch.div(images, 255.) scaled them twice
+    if args.synthetic:
+        # random data of FashionMNIST's shapes, the same on every rank (seed 0)
+        images = torch.rand(70000, 1, 28, 28)
+        labels = torch.randint(10, (70000,))
+        train_set = TensorDataset(images[:60000], labels[:60000])
+        return train_set, TensorDataset(images[60000:], labels[60000:])
+    # the training and the test split, as torchvision reads them from --data
+    sets = [
+        datasets.FashionMNIST(args.data, train=is_train) for is_train in (True, False)
+    ]
+    # Each as one TensorDataset of whole tensors, the images scaled once to [0, 1].
+    # fixed: the tutorial's ToTensor() and then torch.div(images, 255.) scaled twice.
     return tuple(TensorDataset(s.data.unsqueeze(1) / 255, s.targets) for s in sets)
 
 
-def prepare_dataloader(dataset: Dataset, batch_size: int, device: torch.device) -> DataLoader:
-    sampler = DistributedSampler(dataset)  # each rank its own share, shuffled
+def prepare_dataloader(
+    dataset: Dataset, batch_size: int, device: torch.device
+) -> DataLoader:
+    # each rank its own share, shuffled
+    sampler = DistributedSampler(dataset)
     # fixed: the tutorial always pins memory, which only helps copies to a GPU
-    return DataLoader(dataset, batch_size, sampler=sampler, pin_memory=device.type == "cuda")
+    return DataLoader(
+        dataset, batch_size, sampler=sampler, pin_memory=device.type == "cuda"
+    )
 
 
 class SeqNet(nn.Module):
-    def __init__(self, input_size: int, hidden_size1: int, hidden_size2: int, output_size: int):
+    def __init__(
+        self, input_size: int, hidden_size1: int, hidden_size2: int, output_size: int
+    ):
         super().__init__()
         self.lin1 = nn.Linear(input_size, hidden_size1)
         self.lin2 = nn.Linear(hidden_size1, hidden_size2)
@@ -66,41 +110,63 @@ class SeqNet(nn.Module):
         x = self.lin1(x)
         x = torch.sigmoid(x)
         x = self.lin2(x)
-        x = torch.log_softmax(x, dim=1)  # the tutorial's odd activation, kept to match it
+        # the tutorial's odd activation, kept to match it
+        x = torch.log_softmax(x, dim=1)
         return self.lin3(x)
 
 
 def train(model, train_loader, loss_function, optimizer, device, args) -> float:
-    """The tutorial's loop; returns the last epoch's mean loss over every rank's steps."""
-    model = DDP(model)  # from here on, backward() averages every rank's gradients
+    """The tutorial's loop. Returns the last epoch's mean loss over all ranks' steps."""
+    # From here on, backward() averages every rank's gradients. The wrapper shares
+    # the model's weights: the caller's model is trained too. On a GPU, DDP uses the
+    # device set in ddp_setup (the tutorial's device_ids).
+    model = DDP(model)
     for epoch in range(1, args.epochs + 1):
-        train_loader.sampler.set_epoch(epoch)  # fixed: without it every epoch has one order
+        # fixed: without set_epoch every epoch has one order
+        train_loader.sampler.set_epoch(epoch)
         model.train()
-        running_loss, began = torch.zeros((), device=device), time.monotonic()
+        # summed on the device: .item() at every step would wait for it
+        running_loss = torch.zeros((), device=device)
+        began = time.monotonic()
         for images, labels in train_loader:
-            images, labels = images.to(device), labels.to(device)  # fixed: no second / 255
+            # fixed: no second / 255
+            images, labels = images.to(device), labels.to(device)
             optimizer.zero_grad()
             loss = loss_function(model(images), labels)
             loss.backward()
             optimizer.step()
-            running_loss += loss.detach()  # no .item(): it would wait for the device each step
-        dist.all_reduce(running_loss)  # fixed: every rank's steps, not rank 0's share alone
+            running_loss += loss.detach()
+        # fixed: the tutorial prints rank 0's loss alone; this is the mean of every
+        # rank's steps
+        dist.all_reduce(running_loss)
         average_loss = running_loss.item() / len(train_loader) / dist.get_world_size()
-        rate = len(train_loader.dataset) / (time.monotonic() - began)  # every rank's images
-        print0(f"epoch {epoch}/{args.epochs} | loss {average_loss:.4f} | {rate:.0f} img/s")
+        # len(train_loader.dataset): the whole training set, every rank's share
+        rate = len(train_loader.dataset) / (time.monotonic() - began)
+        print0(
+            f"epoch {epoch}/{args.epochs} | loss {average_loss:.4f} | {rate:.0f} img/s"
+        )
     return average_loss
 
 
 @torch.no_grad()
-def test(model: nn.Module, test_set: Dataset, device: torch.device, batch_size: int) -> dict:
-    """Accuracy over the test set, each image once: a DistributedSampler would add repeats."""
-    share = Subset(test_set, range(dist.get_rank(), len(test_set), dist.get_world_size()))
-    counts = torch.zeros(2, dtype=torch.long, device=device)  # [correct, seen]
+def test(
+    model: nn.Module, test_set: Dataset, device: torch.device, batch_size: int
+) -> dict:
+    """Accuracy over the test set, each image once: a DistributedSampler would add
+    repeats to even out the shares."""
+    # every world_size-th image, from this rank's number on
+    share = Subset(
+        test_set, range(dist.get_rank(), len(test_set), dist.get_world_size())
+    )
+    # [correct, seen]
+    counts = torch.zeros(2, dtype=torch.long, device=device)
     model.eval()
     for images, labels in DataLoader(share, batch_size=batch_size):
-        counts[0] += (model(images.to(device)).argmax(1) == labels.to(device)).sum()
+        predicted = model(images.to(device)).argmax(1)
+        counts[0] += (predicted == labels.to(device)).sum()
         counts[1] += len(labels)
-    dist.all_reduce(counts)  # the whole test set's, not rank 0's share alone
+    # the whole test set's, not rank 0's share alone
+    dist.all_reduce(counts)
     correct, seen = counts.tolist()
     return dict(test_accuracy=correct / seen, test_correct=correct, test_samples=seen)
 
@@ -108,83 +174,150 @@ def test(model: nn.Module, test_set: Dataset, device: torch.device, batch_size: 
 def main(local_rank: int, args: argparse.Namespace) -> None:
     device = ddp_setup(local_rank, args)
     try:
-        dist.barrier()  # fixed: one process per machine downloaded the data (below) first
-        torch.manual_seed(0)  # the same initial weights (and synthetic data) on every rank
+        # fixed: every rank downloaded at once. One process a machine downloads before
+        # it joins (below, under __main__). Every rank waits here until all have
+        # joined: init_process_group need not wait for the others.
+        dist.barrier()
+        # seed 0: the same synthetic data on every rank, and the same initial weights in
+        # every run (DDP copies rank 0's to the other ranks)
+        torch.manual_seed(0)
         train_set, test_set = load_datasets(args)
         my_net = SeqNet(784, 200, 200, 10).to(device)
         optimizer = torch.optim.Adam(my_net.parameters(), lr=args.lr)
         loss_function = nn.CrossEntropyLoss()
         train_loader = prepare_dataloader(train_set, args.batch_size, device)
-        m = dict(script=Path(__file__).name, world_size=dist.get_world_size(), device=device.type)
-        m.update(backend=dist.get_backend(), data="synthetic" if args.synthetic else args.data)
-        print0("start |", " | ".join(f"{k} {v}" for k, v in m.items()))
-        m["final_loss"] = train(my_net, train_loader, loss_function, optimizer, device, args)
-        m.update(test(my_net, test_set, device, args.batch_size))
-        print0(f"done | test_accuracy {m['test_accuracy']:.4f} ({m['test_samples']} images)")
+        results = dict(
+            script=Path(__file__).name,
+            world_size=dist.get_world_size(),
+            device=device.type,
+            backend=dist.get_backend(),
+            data="synthetic" if args.synthetic else args.data,
+        )
+        print0("start |", " | ".join(f"{k} {v}" for k, v in results.items()))
+        results["final_loss"] = train(
+            my_net, train_loader, loss_function, optimizer, device, args
+        )
+        # my_net holds the trained weights: the DDP wrapper in train shares them
+        results.update(test(my_net, test_set, device, args.batch_size))
+        print0(
+            f"done | test_accuracy {results['test_accuracy']:.4f}"
+            f" ({results['test_samples']} images)"
+        )
         if dist.get_rank() == 0 and args.metrics_out:
-            Path(args.metrics_out).write_text(json.dumps(m, indent=1))
+            Path(args.metrics_out).write_text(json.dumps(results, indent=1))
         dist.destroy_process_group()
-    except RuntimeError as e:  # a lost peer (gloo's, NCCL's words): let its own report come first
-        time.sleep(3 * any(w in str(e) for w in ("by peer", "Broken pipe", "remote process")))
+    except RuntimeError as e:
+        # A collective whose peer died raises this, in gloo's or NCCL's words. This
+        # rank waits 3 s before it fails, so that mp.spawn sees the peer's death first
+        # and reports that rank, the cause.
+        if any(w in str(e) for w in ("by peer", "Broken pipe", "remote process")):
+            time.sleep(3)
         raise
 
 
 # --- launching and checks (the same in every DDP script of this collection) ---
-def launch(main, args: argparse.Namespace) -> None:  # torchrun: we are one rank; else spawn
-    def stop(*_) -> None:  # SIGTERM (kill) to the launcher: passed on to the ranks; Ctrl-C for us
-        for p in [*mp.active_children(), mp.current_process()]:
-            os.kill(p.pid, signal.SIGINT if p.pid == os.getpid() else signal.SIGTERM)
+# launch() runs the per-process function once in each rank. Under torchrun this
+# process is one rank already; otherwise it spawns --nprocs ranks here.
+# A copy may drop the refusals, the OMP_NUM_THREADS setting and the --metrics-out
+# check. It must keep the store (it holds MASTER_PORT while the ranks meet in it)
+# and the two signal lines (Ctrl-C and SIGTERM then stop every rank).
+def launch(main, args: argparse.Namespace) -> None:
+    def stop(*_) -> None:
+        # SIGTERM to the launcher: passed on to each rank; we end as on Ctrl-C
+        for process in mp.active_children():
+            process.terminate()
+        raise KeyboardInterrupt
 
     try:
-        if args.metrics_out and os.environ.get("RANK", "0") == "0":  # its writer, before training:
+        # rank 0 writes --metrics-out at the end: if it cannot, say so now
+        if args.metrics_out and os.environ.get("RANK", "0") == "0":
             Path(args.metrics_out).parent.mkdir(parents=True, exist_ok=True)
-            open(args.metrics_out, "a").close()  # can it write there? if not, an OSError says why
-        if "RANK" in os.environ:  # torchrun sets RANK, LOCAL_RANK...; a cluster's pod may set RANK
-            return record(main)(int(os.environ.get("LOCAL_RANK", 0)), args)  # torchrun's summary
-        if int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) > 1:  # srun -n 2 python script.py
-            sys.exit("error: srun -n N starts N separate jobs; run torchrun once per node")
+            open(args.metrics_out, "a").close()
+        if "RANK" in os.environ:
+            # Started by torchrun (or a pod's RANK): this process is one rank.
+            # record() puts an error of this rank into torchrun's summary.
+            local_rank = int(os.environ.get("LOCAL_RANK", 0))
+            return record(main)(local_rank, args)
+        # srun -n N sets this: N copies of this launcher, each spawning its own world
+        if int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) > 1:
+            sys.exit(
+                "error: srun -n N starts N separate jobs; run torchrun once per node"
+            )
         if 0 < torch.cuda.device_count() < args.nprocs and not args.cpu:
-            sys.exit(f"error: --nprocs {args.nprocs}, but fewer GPUs here; use fewer, or --cpu")
-        os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() // args.nprocs or 1))  # cores
-        addr, port = os.environ.setdefault("MASTER_ADDR", "127.0.0.1"), os.getenv("MASTER_PORT", 0)
-        store = dist.TCPStore(addr, int(port), is_master=True)  # fixed: not 12355; yours or free,
-        os.environ.update(MASTER_PORT=str(store.port), WORLD_SIZE=str(args.nprocs))  # held by us:
-        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # ranks join our store, as torchrun's
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # `cmd &` ignored it; so would
-        signal.signal(signal.SIGTERM, stop)  # the ranks, whose death-of-parent signal it is
-        mp.spawn(main, (args,), nprocs=args.nprocs)  # one rank fails: SIGTERM to the others
-    except (mp.ProcessExitedException, mp.ProcessRaisedException, OSError, dist.DistError) as e:
-        sys.exit(max(getattr(e, "exit_code", 0), 0) or f"error: {e}")  # a rank said why, or we do
-    except KeyboardInterrupt:  # Ctrl-C, which every rank got too, or a stop (above)
+            sys.exit(
+                f"error: --nprocs {args.nprocs}, but fewer GPUs here;"
+                " use fewer, or --cpu"
+            )
+        # fixed: each rank starts a thread per core, and the ranks fight over the
+        # cores; each gets its share (torchrun sets 1)
+        threads = max(1, os.cpu_count() // args.nprocs)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        # fixed: not a hard-coded 12355: MASTER_PORT if set, else a free port. Our
+        # store holds it until the end, so a second run on it is refused at once.
+        addr = os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        port = int(os.environ.get("MASTER_PORT", 0))
+        store = dist.TCPStore(addr, port, is_master=True)
+        os.environ["MASTER_PORT"] = str(store.port)
+        # `cmd &` starts us with Ctrl-C ignored, and the ranks would inherit that. But
+        # mp.spawn has the kernel send each rank SIGINT if we die: it must get through.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, stop)
+        # when one rank fails, mp.spawn sends SIGTERM to the others and raises
+        mp.spawn(main, (args,), nprocs=args.nprocs)
+    except mp.ProcessExitedException as e:
+        # a rank that exited with a code has said why; one that a signal killed has not
+        if e.exit_code > 0:
+            sys.exit(e.exit_code)
+        sys.exit(f"error: {e}")
+    except (mp.ProcessRaisedException, OSError, dist.DistError) as e:
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        # Ctrl-C, which every rank got too, or a stop
         sys.exit(130)
 
 
 def positive(text: str) -> int:
     if not text.isdigit() or int(text) == 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number above 0, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number above 0, got {text!r}"
+        )
     return int(text)
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--nprocs", type=positive, default=torch.cuda.device_count() or 2, help="ranks")
-    p.add_argument("--cpu", action="store_true", help="gloo on CPU even where GPUs exist")
-    p.add_argument("--timeout", type=positive, default=300, help="seconds a rank waits for another")
+    gpus = torch.cuda.device_count()
+    p.add_argument("--nprocs", type=positive, default=gpus or 2, help="ranks")
+    p.add_argument(
+        "--cpu", action="store_true", help="gloo on CPU even where GPUs exist"
+    )
+    p.add_argument(
+        "--timeout", type=positive, default=300, help="seconds a rank waits for another"
+    )
     p.add_argument("--metrics-out", help="rank 0 writes the results here as JSON")
     p.add_argument("--epochs", type=positive, default=10)
     p.add_argument("--batch-size", type=positive, default=100, help="per process")
     p.add_argument("--lr", type=float, default=0.01, help="Adam's")
+    # read only by load_datasets and the download below: a copy with data of its own
+    # drops these
     p.add_argument("--data", default="data", help="torchvision's FashionMNIST root")
-    p.add_argument("--synthetic", action="store_true", help="random data of the same shape")
+    p.add_argument(
+        "--synthetic", action="store_true", help="random data of the same shape"
+    )
     return p.parse_args()
 
 
 if __name__ == "__main__":
     args = parse_args()
-    if not args.synthetic and os.environ.get("LOCAL_RANK", "0") == "0":  # fixed: once a machine
-        try:  # reads what is there, downloads what is not (the tutorial: every rank, at once)
-            for split in (True, False):  # the files only: the ranks make the tensors
-                datasets.FashionMNIST(args.data, train=split, download=True)
-        except Exception as e:  # no network, a damaged file
-            sys.exit(f"error: FashionMNIST in {args.data}: {' '.join(str(e).split())}")
+    # fixed: the tutorial downloads in every rank at once. One process a machine reads
+    # what is there and downloads what is not; the ranks wait for it in a barrier.
+    if not args.synthetic and os.environ.get("LOCAL_RANK", "0") == "0":
+        try:
+            # reads what is there, downloads what is not
+            for is_train in (True, False):
+                datasets.FashionMNIST(args.data, train=is_train, download=True)
+        except Exception as e:
+            # no network, a damaged file
+            why = " ".join(str(e).split())
+            sys.exit(f"error: FashionMNIST in {args.data}: {why}")
     launch(main, args)

@@ -1,7 +1,11 @@
-"""Gather per-rank objects and tensors ("A Comprehensive Tutorial to Pytorch DDP", section 6).
-    python ddp_gather.py                       # one process per GPU, or 2 CPU processes
-    torchrun --standalone --nproc-per-node=3 ddp_gather.py --cpu   # gloo on CPU, 3 processes
-Rank 0 prints the gathered dicts and tensors, then `done | gathered 2 objects | backend gloo`."""
+"""Gather per-rank objects and tensors ("A Comprehensive Tutorial to Pytorch DDP", 6).
+
+    python ddp_gather.py          # one process per GPU, or 2 CPU processes
+    torchrun --standalone --nproc-per-node=3 ddp_gather.py --cpu   # gloo, 3 ranks
+
+Rank 0 prints the gathered dicts and tensors, then, with 2 ranks,
+`done | gathered 2 objects | backend gloo`.
+"""
 
 import argparse
 import json
@@ -18,79 +22,149 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 
 def ddp_setup(local_rank: int, args: argparse.Namespace) -> torch.device:
-    os.environ.setdefault("RANK", str(local_rank))  # spawned by launch(): rank = local rank
-    cuda = torch.cuda.is_available() and not args.cpu  # fixed: not NCCL-only: gloo on CPU too
+    # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on a CPU
+    cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
-        torch.cuda.set_device(device)  # before any collective, or every rank uses cuda:0
-    backend, timeout = ("nccl" if cuda else "gloo"), timedelta(seconds=args.timeout)  # ends a hang
-    dist.init_process_group(backend, timeout=timeout, device_id=device if cuda else None)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stop ends a save as Ctrl-C does
+        # before the first collective (a call that every rank makes: all_reduce,
+        # broadcast, barrier), or every rank works on cuda:0
+        torch.cuda.set_device(device)
+    backend = "nccl" if cuda else "gloo"
+    # --timeout: a collective that waits longer than this for another rank fails, so
+    # a lost rank ends the job instead of hanging it
+    timeout = timedelta(seconds=args.timeout)
+    # device_id (optional): NCCL connects this GPU now, not at the first collective,
+    # and barrier() knows which GPU to use
+    kwargs = dict(timeout=timeout, device_id=device if cuda else None)
+    # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, which
+    # init_process_group's default, env://, reads.
+    if "RANK" not in os.environ:
+        # Started by mp.spawn in launch() instead. launch() holds MASTER_PORT in a
+        # TCPStore, so that no other run takes the port; this rank joins that store
+        # as a client. On one machine the spawn index is the rank.
+        port = int(os.environ["MASTER_PORT"])
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], port, timeout=timeout)
+        kwargs.update(store=store, rank=local_rank, world_size=args.nprocs)
+    dist.init_process_group(backend, **kwargs)
+    # A stop (SIGTERM) now unwinds the rank as Ctrl-C does, through its `finally`
+    # blocks (where a checkpoint save cleans up).
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     return device
 
 
 def main(local_rank: int, args: argparse.Namespace) -> None:
     device = ddp_setup(local_rank, args)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
+    world_size = dist.get_world_size()
     tensor = torch.ones(3, device=device) + rank
-    # fixed: the tutorial's [1, 2, 3] + rank fails; a GPU tensor would unpickle onto GPU 0
-    data = {"tensor": tensor.cpu(), "list": [x + rank for x in [1, 2, 3]], "dict": {"rank": rank}}
-    outputs = [None] * world_size  # one place per rank, filled in rank order
-    # all_gather_object: any picklable object, but unpickling runs the others' code (trusted
-    # peers only). all_gather: same-shaped tensors without Python: for large or per-step data.
+    data = {
+        # to the CPU: a GPU tensor is pickled with its device, and would unpickle
+        # onto the sender's GPU number in every rank
+        "tensor": tensor.cpu(),
+        # fixed: the tutorial's [1, 2, 3] + rank fails
+        "list": [x + rank for x in [1, 2, 3]],
+        "dict": {"rank": rank},
+    }
+    # all_gather_object takes any picklable object, but unpickling can run code that
+    # the sender chose: trusted peers only. It fills one place per rank, in rank order.
+    outputs = [None] * world_size
     dist.all_gather_object(outputs, data)
+    # all_gather takes same-shaped tensors and no pickle: for large or per-step data
     tensors = [torch.empty(3, device=device) for _ in range(world_size)]
     dist.all_gather(tensors, tensor)
     if rank == 0:
-        print(outputs, f"all_gather: {[t.tolist() for t in tensors]}", sep="\n")
+        print(outputs)
+        print(f"all_gather: {[t.tolist() for t in tensors]}")
         print(f"done | gathered {len(outputs)} objects | backend {dist.get_backend()}")
-        if args.metrics_out:  # tensors as lists
-            m = dict(script=Path(__file__).name, world_size=world_size, gathered=outputs)
-            Path(args.metrics_out).write_text(json.dumps(m, default=torch.Tensor.tolist))
+    if rank == 0 and args.metrics_out:
+        name = Path(__file__).name
+        results = dict(script=name, world_size=world_size, gathered=outputs)
+        # tensors are written as lists
+        Path(args.metrics_out).write_text(
+            json.dumps(results, default=torch.Tensor.tolist)
+        )
     dist.destroy_process_group()
 
 
 # --- launching and checks (the same in every DDP script of this collection) ---
-def launch(main, args: argparse.Namespace) -> None:  # torchrun: we are one rank; else spawn
-    def stop(*_) -> None:  # SIGTERM (kill) to the launcher: passed on to the ranks; Ctrl-C for us
-        for p in [*mp.active_children(), mp.current_process()]:
-            os.kill(p.pid, signal.SIGINT if p.pid == os.getpid() else signal.SIGTERM)
+# launch() runs the per-process function once in each rank. Under torchrun this
+# process is one rank already; otherwise it spawns --nprocs ranks here.
+# A copy may drop the refusals, the OMP_NUM_THREADS setting and the --metrics-out
+# check. It must keep the store (it holds MASTER_PORT while the ranks meet in it)
+# and the two signal lines (Ctrl-C and SIGTERM then stop every rank).
+def launch(main, args: argparse.Namespace) -> None:
+    def stop(*_) -> None:
+        # SIGTERM to the launcher: passed on to each rank; we end as on Ctrl-C
+        for process in mp.active_children():
+            process.terminate()
+        raise KeyboardInterrupt
 
     try:
-        if args.metrics_out and os.environ.get("RANK", "0") == "0":  # its writer, before training:
+        # rank 0 writes --metrics-out at the end: if it cannot, say so now
+        if args.metrics_out and os.environ.get("RANK", "0") == "0":
             Path(args.metrics_out).parent.mkdir(parents=True, exist_ok=True)
-            open(args.metrics_out, "a").close()  # can it write there? if not, an OSError says why
-        if "RANK" in os.environ:  # torchrun sets RANK, LOCAL_RANK...; a cluster's pod may set RANK
-            return record(main)(int(os.environ.get("LOCAL_RANK", 0)), args)  # torchrun's summary
-        if int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) > 1:  # srun -n 2 python script.py
-            sys.exit("error: srun -n N starts N separate jobs; run torchrun once per node")
+            open(args.metrics_out, "a").close()
+        if "RANK" in os.environ:
+            # Started by torchrun (or a pod's RANK): this process is one rank.
+            # record() puts an error of this rank into torchrun's summary.
+            local_rank = int(os.environ.get("LOCAL_RANK", 0))
+            return record(main)(local_rank, args)
+        # srun -n N sets this: N copies of this launcher, each spawning its own world
+        if int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) > 1:
+            sys.exit(
+                "error: srun -n N starts N separate jobs; run torchrun once per node"
+            )
         if 0 < torch.cuda.device_count() < args.nprocs and not args.cpu:
-            sys.exit(f"error: --nprocs {args.nprocs}, but fewer GPUs here; use fewer, or --cpu")
-        os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() // args.nprocs or 1))  # cores
-        addr, port = os.environ.setdefault("MASTER_ADDR", "127.0.0.1"), os.getenv("MASTER_PORT", 0)
-        store = dist.TCPStore(addr, int(port), is_master=True)  # fixed: not 12355; yours or free,
-        os.environ.update(MASTER_PORT=str(store.port), WORLD_SIZE=str(args.nprocs))  # held by us:
-        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # ranks join our store, as torchrun's
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # `cmd &` ignored it; so would
-        signal.signal(signal.SIGTERM, stop)  # the ranks, whose death-of-parent signal it is
-        mp.spawn(main, (args,), nprocs=args.nprocs)  # one rank fails: SIGTERM to the others
-    except (mp.ProcessExitedException, mp.ProcessRaisedException, OSError, dist.DistError) as e:
-        sys.exit(max(getattr(e, "exit_code", 0), 0) or f"error: {e}")  # a rank said why, or we do
-    except KeyboardInterrupt:  # Ctrl-C, which every rank got too, or a stop (above)
+            sys.exit(
+                f"error: --nprocs {args.nprocs}, but fewer GPUs here;"
+                " use fewer, or --cpu"
+            )
+        # fixed: each rank starts a thread per core, and the ranks fight over the
+        # cores; each gets its share (torchrun sets 1)
+        threads = max(1, os.cpu_count() // args.nprocs)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        # fixed: not a hard-coded 12355: MASTER_PORT if set, else a free port. Our
+        # store holds it until the end, so a second run on it is refused at once.
+        addr = os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        port = int(os.environ.get("MASTER_PORT", 0))
+        store = dist.TCPStore(addr, port, is_master=True)
+        os.environ["MASTER_PORT"] = str(store.port)
+        # `cmd &` starts us with Ctrl-C ignored, and the ranks would inherit that. But
+        # mp.spawn has the kernel send each rank SIGINT if we die: it must get through.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, stop)
+        # when one rank fails, mp.spawn sends SIGTERM to the others and raises
+        mp.spawn(main, (args,), nprocs=args.nprocs)
+    except mp.ProcessExitedException as e:
+        # a rank that exited with a code has said why; one that a signal killed has not
+        if e.exit_code > 0:
+            sys.exit(e.exit_code)
+        sys.exit(f"error: {e}")
+    except (mp.ProcessRaisedException, OSError, dist.DistError) as e:
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        # Ctrl-C, which every rank got too, or a stop
         sys.exit(130)
 
 
 def positive(text: str) -> int:
     if not text.isdigit() or int(text) == 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number above 0, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number above 0, got {text!r}"
+        )
     return int(text)
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--nprocs", type=positive, default=torch.cuda.device_count() or 2, help="ranks")
-    p.add_argument("--cpu", action="store_true", help="gloo on CPU even where GPUs exist")
-    p.add_argument("--timeout", type=positive, default=300, help="seconds a rank waits for another")
+    gpus = torch.cuda.device_count()
+    p.add_argument("--nprocs", type=positive, default=gpus or 2, help="ranks")
+    p.add_argument(
+        "--cpu", action="store_true", help="gloo on CPU even where GPUs exist"
+    )
+    p.add_argument(
+        "--timeout", type=positive, default=300, help="seconds a rank waits for another"
+    )
     p.add_argument("--metrics-out", help="rank 0 writes the results here as JSON")
     return p.parse_args()
 

@@ -1,5 +1,12 @@
-"""DDP ResNet (AIME part 2, the DDP tutorial's checkpoints): rank 0 saves, every rank reloads.
-torchrun --standalone --nproc-per-node=2 ddp_resnet.py --cpu --arch resnet18 --max-steps 10"""
+"""DDP ResNet (AIME part 2, the DDP tutorial's checkpoints): rank 0 saves, all reload.
+
+    python ddp_resnet.py          # one process per GPU, or 2 CPU processes
+    torchrun --standalone --nproc-per-node=2 ddp_resnet.py --cpu --arch resnet18
+    python ddp_resnet.py --cpu --arch resnet18 --image-size 32 --epochs 2 --max-steps 3
+
+Rank 0 prints `start | ...`, progress lines, one line per epoch and `done | ...`.
+Run again with --resume to go on after the newest checkpoint in --ckpt-dir.
+"""
 
 import argparse
 import io
@@ -9,6 +16,7 @@ import signal
 import sys
 import time
 from datetime import timedelta
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -20,39 +28,70 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 from torchvision import datasets, models
 
-mp.set_forkserver_preload(["torchvision"])  # the loader workers' server imports it once, not each
-
 
 def ddp_setup(local_rank: int, args: argparse.Namespace) -> torch.device:
-    os.environ.setdefault("RANK", str(local_rank))  # spawned by launch(): rank = local rank
-    cuda = torch.cuda.is_available() and not args.cpu  # fixed: not NCCL-only: gloo on CPU too
+    # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on a CPU
+    cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
-        torch.cuda.set_device(device)  # before any collective, or every rank uses cuda:0
-    backend, timeout = ("nccl" if cuda else "gloo"), timedelta(seconds=args.timeout)  # ends a hang
-    dist.init_process_group(backend, timeout=timeout, device_id=device if cuda else None)
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stop ends a save as Ctrl-C does
+        # before the first collective (a call that every rank makes: all_reduce,
+        # broadcast, barrier), or every rank works on cuda:0
+        torch.cuda.set_device(device)
+    backend = "nccl" if cuda else "gloo"
+    # --timeout: a collective that waits longer than this for another rank fails, so
+    # a lost rank ends the job instead of hanging it
+    timeout = timedelta(seconds=args.timeout)
+    # device_id (optional): NCCL connects this GPU now, not at the first collective,
+    # and barrier() knows which GPU to use
+    kwargs = dict(timeout=timeout, device_id=device if cuda else None)
+    # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, which
+    # init_process_group's default, env://, reads.
+    if "RANK" not in os.environ:
+        # Started by mp.spawn in launch() instead. launch() holds MASTER_PORT in a
+        # TCPStore, so that no other run takes the port; this rank joins that store
+        # as a client. On one machine the spawn index is the rank.
+        port = int(os.environ["MASTER_PORT"])
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], port, timeout=timeout)
+        kwargs.update(store=store, rank=local_rank, world_size=args.nprocs)
+    dist.init_process_group(backend, **kwargs)
+    # A stop (SIGTERM) now unwinds the rank as Ctrl-C does, through its `finally`
+    # blocks (where a checkpoint save cleans up).
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     return device
 
 
 def print0(*args) -> None:
-    if int(os.environ.get("RANK", 0)) == 0:  # global rank 0 (and the launcher, before any rank)
+    if dist.get_rank() == 0:
         print(*args, flush=True)
 
 
-def load_datasets(args: argparse.Namespace) -> tuple:  # train, val (or None), classes
-    size, imagenet = args.image_size, T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
-    resize = [T.Resize(size * 8 // 7), T.CenterCrop(size), T.ToTensor(), imagenet]  # the tutorial's
-    if args.data:  # fixed: the tutorial's ImageFolder(root=, ...) is a syntax error
-        train = datasets.ImageFolder(args.data, transform=T.Compose(resize))
-    else:  # 12,800 random images, 256 distinct ones made once: no decoding
-        images = TensorDataset(torch.randn(256, 3, size, size), torch.arange(256))  # by --seed
+def load_datasets(args: argparse.Namespace) -> tuple:
+    """The training set, the validation set (or None), and the number of classes."""
+    size = args.image_size
+    # ImageNet's mean and standard deviation per colour
+    normalize = T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+    # the tutorial's Resize(256) and CenterCrop(224) at any --image-size: resize to
+    # 8/7 of the crop
+    preprocess = T.Compose(
+        [T.Resize(size * 8 // 7), T.CenterCrop(size), T.ToTensor(), normalize]
+    )
+    if args.data:
+        # fixed: the tutorial's ImageFolder(root=, ...) is a syntax error
+        train = datasets.ImageFolder(args.data, transform=preprocess)
+    else:
+        # 12,800 random images in 256 classes: one image per class, 50 times over.
+        # A model can learn them, and there is nothing to decode.
+        images = TensorDataset(torch.randn(256, 3, size, size), torch.arange(256))
         train = Subset(images, [i % 256 for i in range(12800)])
+        # the class names, as an ImageFolder has them
         train.classes = [str(c) for c in range(256)]
-    val = args.val_data and datasets.ImageFolder(args.val_data, T.Compose(resize))
-    if val and val.classes != train.classes:
-        raise ValueError("it holds other classes than the training data")
-    return train, val or None, len(train.classes)
+    val = None
+    if args.val_data:
+        val = datasets.ImageFolder(args.val_data, transform=preprocess)
+        # check_args prints this after "--val-data DIR: "
+        if val.classes != train.classes:
+            raise ValueError("it holds other classes than the training data")
+    return train, val, len(train.classes)
 
 
 def build_model(args: argparse.Namespace, num_classes: int) -> torch.nn.Module:
@@ -60,211 +99,444 @@ def build_model(args: argparse.Namespace, num_classes: int) -> torch.nn.Module:
     return models.get_model(args.arch, weights=None, num_classes=num_classes)
 
 
-def train(model: DDP, dataloader, optimizer, epoch: int, steps: int, args) -> dict:
-    dataloader.sampler.set_epoch(epoch)  # fixed: without it every epoch has the same order
-    torch.manual_seed(hash((args.seed, epoch, dist.get_rank())))  # dropout, augmentation, workers
-    device, batch = next(model.parameters()).device, args.batch_size * dist.get_world_size()
-    total, began, shown = torch.zeros(2, device=device), time.monotonic(), time.monotonic()
-    for step, (images, labels) in zip(range(1, steps + 1), dataloader, strict=False):
+def prepare_dataloader(train_set, device: torch.device, args) -> DataLoader:
+    # each rank its own shuffled share of the data
+    sampler = DistributedSampler(train_set, seed=args.seed)
+    # The loader workers start from a forkserver that imported torchvision once, not
+    # as forks of this rank: a rank runs gloo's (or NCCL's) threads, and a child
+    # forked from a threaded process can hang on a lock one of them held. DataLoader
+    # uses the default start method, and this rank starts no other processes.
+    mp.set_forkserver_preload(["torchvision"])
+    mp.set_start_method("forkserver", force=True)
+    return DataLoader(
+        train_set,
+        batch_size=args.batch_size,
+        sampler=sampler,
+        # fixed: per rank; the tutorial's 4 * GPUs in each rank made 4 * GPUs * GPUs
+        num_workers=args.workers,
+        pin_memory=device.type == "cuda",
+        # a last batch of 1 image would fail in BatchNorm
+        drop_last=True,
+    )
+
+
+def train(
+    model: DDP, dataloader, optimizer, device, epoch: int, steps: int, args
+) -> dict:
+    """One epoch of at most `steps` steps: its mean loss over every rank's steps, and
+    its speed."""
+    # fixed: without set_epoch every epoch has the same order
+    dataloader.sampler.set_epoch(epoch)
+    # Seeded from --seed, the epoch and the rank, a resumed run draws what an unbroken
+    # run drew: the loader workers' seeds, and the dropout and random augmentation of
+    # a model or data of your own. hash() of ints is the same in every process, and
+    # manual_seed takes any 64-bit number.
+    torch.manual_seed(hash((args.seed, epoch, dist.get_rank())))
+    global_batch = args.batch_size * dist.get_world_size()
+    # summed on the device: .item() at every step would wait for it
+    loss_sum = torch.zeros((), device=device)
+    began = time.monotonic()
+    last_print = began
+    for step, (images, labels) in enumerate(islice(dataloader, steps), start=1):
+        # args.memory_format: channels_last with --channels-last (set in parse_args)
         images = images.to(device, non_blocking=True, memory_format=args.memory_format)
-        with torch.autocast(device.type, torch.bfloat16, enabled=args.amp):  # bf16: no scaler
-            loss = torch.nn.functional.cross_entropy(model(images), labels.to(device))
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()  # DDP averages every rank's gradients here
+        # --amp: bf16, which needs no GradScaler
+        with torch.autocast(device.type, torch.bfloat16, enabled=args.amp):
+            loss = torch.nn.functional.cross_entropy(model(images), labels.to(device))
+        # DDP averages every rank's gradients here
+        loss.backward()
         optimizer.step()
-        total += torch.stack([loss.detach().float(), torch.ones((), device=device)])
-        if step % args.log_every == 0 or time.monotonic() - shown > 30:  # never quiet for long
-            value, shown = loss.item(), time.monotonic()  # .item() waits for the device
-            head = f"epoch {epoch}/{args.epochs} | step {step}/{steps} | loss {value:.4f}"
-            print0(f"{head} | {step * batch / (shown - began):.0f} img/s | {shown - began:.1f} s")
-    dist.all_reduce(total)  # fixed: every rank's steps, not rank 0's share alone
-    loss, seconds = (total[0] / total[1]).item(), time.monotonic() - began  # after .item()
-    return dict(final_loss=loss, images_per_sec=steps * batch / seconds, seconds=seconds)
+        loss_sum += loss.detach().float()
+        # a line every --log-every steps, and at least every 30 s
+        if step % args.log_every == 0 or time.monotonic() - last_print > 30:
+            # .item() waits for the device, so the time after it is true
+            value = loss.item()
+            last_print = time.monotonic()
+            seconds = last_print - began
+            rate = step * global_batch / seconds
+            print0(
+                f"epoch {epoch}/{args.epochs} | step {step}/{steps} | loss {value:.4f}"
+                f" | {rate:.0f} img/s | {seconds:.1f} s"
+            )
+    # fixed: the tutorial prints rank 0's loss alone; this is the mean of every
+    # rank's steps
+    dist.all_reduce(loss_sum)
+    loss = loss_sum.item() / steps / dist.get_world_size()
+    seconds = time.monotonic() - began
+    # final_loss, the metrics' name: after the last epoch, this epoch's mean is final
+    return dict(
+        final_loss=loss, images_per_sec=steps * global_batch / seconds, seconds=seconds
+    )
 
 
 @torch.no_grad()
-def evaluate(model: DDP, val_set, args) -> dict:  # top-1; a DistributedSampler repeats images
-    for buffer in model.module.buffers():  # BatchNorm's running statistics: rank 0's, as saved
+def evaluate(model: DDP, val_set, device, args) -> dict:
+    """Top-1 accuracy, each image once: a DistributedSampler would pad the shares to
+    equal length with repeated images."""
+    # BatchNorm's running statistics: DDP copies rank 0's at each training step, and
+    # then each rank's own batch updates them. Score with rank 0's, the saved ones.
+    for buffer in model.module.buffers():
         dist.broadcast(buffer, src=0)
+    # every world_size-th image, from this rank's number on
     share = Subset(val_set, range(dist.get_rank(), len(val_set), dist.get_world_size()))
-    device, counts = next(model.parameters()).device, torch.zeros(2, dtype=torch.int64)
+    # [correct, seen]
+    counts = torch.zeros(2, dtype=torch.int64, device=device)
     model.eval()
     for images, labels in DataLoader(share, args.batch_size, num_workers=args.workers):
-        with torch.autocast(device.type, torch.bfloat16, enabled=args.amp):  # no DDP hooks:
-            predicted = model.module(images.to(device, memory_format=args.memory_format))
-        counts += torch.tensor([(predicted.argmax(1).cpu() == labels).sum(), len(labels)])
+        # model.module, the bare model: DDP's forward can broadcast the buffers, which
+        # every rank must join, and the ranks do not score the same number of batches
+        with torch.autocast(device.type, torch.bfloat16, enabled=args.amp):
+            logits = model.module(images.to(device, memory_format=args.memory_format))
+        counts[0] += (logits.argmax(1) == labels.to(device)).sum()
+        counts[1] += len(labels)
     model.train()
-    dist.all_reduce(counts := counts.to(device))  # [correct, seen] of every rank
+    # [correct, seen] of every rank; a rank with an empty share adds zeros
+    dist.all_reduce(counts)
     correct, seen = counts.tolist()
     return dict(val_accuracy=correct / seen, val_correct=correct, val_samples=seen)
 
 
-def save_model(epoch: int, model: DDP, optimizer, args) -> str:  # atomic: tmp, fsync, rename
-    file = Path(args.ckpt_dir) / f"epoch_{epoch}.pt"  # fixed: no file.touch(): torch.save makes it
-    ckpt = dict(epoch=epoch, model_state_dict=model.module.state_dict())  # no "module." keys
-    tmp, buffer = file.with_name(file.name + ".tmp"), io.BytesIO()
-    torch.save({**ckpt, "optimizer_state_dict": optimizer.state_dict()}, buffer)  # in memory
-    try:  # written by us: a full disk is an OSError that says so
+def newest_epoch(args) -> int:
+    """N of the newest epoch_N.pt in --ckpt-dir, 0 if there is none."""
+    numbers = [
+        file.stem.removeprefix("epoch_")
+        for file in Path(args.ckpt_dir).glob("epoch_*.pt")
+    ]
+    return max([int(n) for n in numbers if n.isdigit()], default=0)
+
+
+def save_model(epoch: int, model: DDP, optimizer, args) -> str:
+    """Atomic: written to a .tmp file, fsynced, then renamed over epoch_N.pt. A
+    failure ends this rank with one line; the others then fail in their next
+    collective, and the launcher stops them."""
+    # fixed: no file.touch() first: torch.save makes the file
+    file = Path(args.ckpt_dir) / f"epoch_{epoch}.pt"
+    tmp = Path(f"{file}.tmp")
+    # model.module: the bare model's keys, with no "module." prefix
+    ckpt = dict(
+        epoch=epoch,
+        model_state_dict=model.module.state_dict(),
+        optimizer_state_dict=optimizer.state_dict(),
+    )
+    # Serialized in memory (a second copy, for a moment), then written by us: a full
+    # disk is then an OSError with its reason, not an error of torch's C++ writer.
+    buffer = io.BytesIO()
+    torch.save(ckpt, buffer)
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
             f.write(buffer.getbuffer())
-            os.fsync(f.fileno())  # on disk before the rename publishes it
+            # on disk before the rename publishes it
+            os.fsync(f.fileno())
         os.replace(tmp, file)
-    except OSError as e:  # a full disk, a read-only folder
-        sys.exit(f"error: cannot save {file} ({e.strerror}); fix that, rerun with --resume")
+    except OSError as e:
+        sys.exit(
+            f"error: cannot save {file} ({e.strerror}); fix that, rerun with --resume"
+        )
     finally:
         tmp.unlink(missing_ok=True)
     return str(file)
 
 
-def load_model(epoch: int, model: DDP, optimizer, args) -> None:  # every rank, rank 0's file
-    dist.barrier()  # before the load, not after the save: it guards --resume's first load too
-    file = Path(args.ckpt_dir) / f"epoch_{epoch}.pt"  # fixed: a cuda:0->cuda:rank map fails on CPU
-    ckpt = torch.load(file, map_location=next(model.parameters()).device, weights_only=True)
+def load_model(epoch: int, model: DDP, optimizer, args) -> None:
+    """Every rank loads the file rank 0 saved: on several nodes, --ckpt-dir is a
+    folder they share."""
+    # Every rank waits here until rank 0 has saved the file. No barrier is needed
+    # after the load: each rank only reads it, and the next step's collectives keep
+    # the ranks together.
+    dist.barrier()
+    device = next(model.parameters()).device
+    file = Path(args.ckpt_dir) / f"epoch_{epoch}.pt"
+    # fixed: map_location onto this rank's own device (the tutorial's cuda:0->cuda:rank
+    # map fails on a CPU). weights_only: loading a checkpoint runs no code of its own.
+    ckpt = torch.load(file, map_location=device, weights_only=True)
     model.module.load_state_dict(ckpt["model_state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_state_dict"])
 
 
-def run_training_process_on_given_gpu(local_rank: int, args: argparse.Namespace) -> None:
+def new_results(model, device, steps) -> dict:
+    """A run's results, begun with what runs where (the start line's facts)."""
+    return dict(
+        script=Path(__file__).name,
+        world_size=dist.get_world_size(),
+        device=device.type,
+        backend=dist.get_backend(),
+        model=type(model.module).__name__,
+        steps=steps,
+    )
+
+
+def run_training_process_on_given_gpu(local_rank: int, args: argparse.Namespace):
     device = ddp_setup(local_rank, args)
-    mp.set_start_method("forkserver", force=True)  # loader workers: a fork of a gloo rank can hang
     try:
-        torch.manual_seed(args.seed)  # the same synthetic images and initial weights on every rank
+        # --seed: the same synthetic images on every rank, and the same initial weights
+        # in every run. (The other ranks' initial weights do not matter: DDP replaces
+        # them with rank 0's.)
+        torch.manual_seed(args.seed)
         train_set, val_set, num_classes = load_datasets(args)
-        # fixed: --workers per rank (4 * GPUs each made 4 * GPUs**2); drop_last: BatchNorm needs 2
-        kwargs = dict(num_workers=args.workers, pin_memory=device.type == "cuda", drop_last=True)
-        sampler = DistributedSampler(train_set, seed=args.seed)  # each rank its shuffled share
-        dataloader = DataLoader(train_set, args.batch_size, sampler=sampler, **kwargs)
-        model = DDP(build_model(args, num_classes).to(device, memory_format=args.memory_format))
-        optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
-        start = torch.tensor(args.start_epoch, device=device)
-        dist.broadcast(start, src=0)  # rank 0's look at --ckpt-dir decides for every rank
+        dataloader = prepare_dataloader(train_set, device, args)
+        model = build_model(args, num_classes)
+        model = model.to(device, memory_format=args.memory_format)
+        # on a GPU, DDP uses the device set in ddp_setup (the tutorial's device_ids)
+        model = DDP(model)
+        params = model.parameters()
+        optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9, weight_decay=1e-4)
+        # --max-steps, where given, ends each epoch early
         steps = min(len(dataloader), args.max_steps or len(dataloader))
-        m = dict(script=Path(__file__).name, world_size=dist.get_world_size(), device=device.type)
-        m.update(backend=dist.get_backend(), model=type(model.module).__name__, steps=steps)
-        print0(line("start", m, *m), "|", args.todo)  # check_args's, on rank 0
-        for epoch in range(start.item(), args.epochs + 1):  # fixed: range(1, 30) ran 29 epochs
+        # Epoch 1, or with --resume the one after rank 0's newest checkpoint. Rank 0
+        # looks in --ckpt-dir, and every rank starts where it says, even where a node
+        # sees the shared folder late.
+        start = torch.tensor(1, device=device)
+        if dist.get_rank() == 0 and args.resume:
+            start += newest_epoch(args)
+        dist.broadcast(start, src=0)
+        first_epoch = start.item()
+        results = new_results(model, device, steps)
+        print0(start_line(results, first_epoch, args))
+        # fixed: the tutorial's range(1, 30) ran 29 epochs
+        for epoch in range(first_epoch, args.epochs + 1):
+            # The tutorial's pattern: each epoch starts from the checkpoint that rank 0
+            # saved. The ranks' weights agree already; this shows the load, and it is
+            # the first load of a resumed run.
             if epoch > 1:
                 load_model(epoch - 1, model, optimizer, args)
-            m.update(train(model, dataloader, optimizer, epoch, steps, args))
-            if dist.get_rank() == 0:  # the global rank: LOCAL_RANK 0 is one writer per node
-                m["checkpoint"] = save_model(epoch, model, optimizer, args)
-            if val_set is not None:  # an empty share too: the others wait for its all_reduce
-                m.update(evaluate(model, val_set, args))
+            trained = train(model, dataloader, optimizer, device, epoch, steps, args)
+            results.update(trained)
+            # the global rank: the tutorial's LOCAL_RANK 0 is one writer per node
+            if dist.get_rank() == 0:
+                results["checkpoint"] = save_model(epoch, model, optimizer, args)
+            # every rank evaluates, also one whose share of the validation set is
+            # empty: the others wait for its counts
+            if val_set is not None:
+                results.update(evaluate(model, val_set, device, args))
             keys = "final_loss", "val_accuracy", "images_per_sec", "seconds"
-            print0(line(f"epoch {epoch}/{args.epochs}", m, *keys))
-        if val_set is not None and start > args.epochs:  # a finished run resumed: score it
-            load_model(start.item() - 1, model, optimizer, args)
-            m.update(evaluate(model, val_set, args))
-        m["epochs_run"] = max(0, args.epochs + 1 - start.item())
-        print0(line("done", m, "epochs_run", "final_loss", "val_accuracy", "checkpoint"))
-        if dist.get_rank() == 0 and args.metrics_out:
-            Path(args.metrics_out).write_text(json.dumps(m, indent=1))
-        del model  # before its process group goes: torch 2.11 (gloo) could hang at exit
+            print0(log_line(f"epoch {epoch}/{args.epochs}", results, *keys))
+        # --resume of a run that reached --epochs trains nothing, but scores again
+        if val_set is not None and first_epoch > args.epochs:
+            load_model(first_epoch - 1, model, optimizer, args)
+            results.update(evaluate(model, val_set, device, args))
+        report(results, first_epoch, args)
+        # gone before its process group: a gloo run on torch 2.11 was seen to hang at
+        # exit otherwise
+        del model
         dist.destroy_process_group()
-    except RuntimeError as e:  # a lost peer (gloo's, NCCL's words): let its own report come first
-        time.sleep(3 * any(w in str(e) for w in ("by peer", "Broken pipe", "remote process")))
+    except RuntimeError as e:
+        # A collective whose peer died raises this, in gloo's or NCCL's words. This
+        # rank waits 3 s before it fails, so that mp.spawn sees the peer's death first
+        # and reports that rank, the cause.
+        if any(w in str(e) for w in ("by peer", "Broken pipe", "remote process")):
+            time.sleep(3)
         raise
 
 
-def line(head: str, m: dict, *keys: str) -> str:
-    shown = {k: f"{m[k]:.4g}" if type(m[k]) is float else m[k] for k in keys if k in m}
-    return " | ".join([head, *(f"{k} {v}" for k, v in shown.items())])
-
-
 # --- launching and checks (the same in every DDP script of this collection) ---
-def launch(main, args: argparse.Namespace) -> None:  # torchrun: we are one rank; else spawn
-    def stop(*_) -> None:  # SIGTERM (kill) to the launcher: passed on to the ranks; Ctrl-C for us
-        for p in [*mp.active_children(), mp.current_process()]:
-            os.kill(p.pid, signal.SIGINT if p.pid == os.getpid() else signal.SIGTERM)
+# launch() runs the per-process function once in each rank. Under torchrun this
+# process is one rank already; otherwise it spawns --nprocs ranks here.
+# A copy may drop the refusals, the OMP_NUM_THREADS setting and the --metrics-out
+# check. It must keep the store (it holds MASTER_PORT while the ranks meet in it)
+# and the two signal lines (Ctrl-C and SIGTERM then stop every rank).
+def launch(main, args: argparse.Namespace) -> None:
+    def stop(*_) -> None:
+        # SIGTERM to the launcher: passed on to each rank; we end as on Ctrl-C
+        for process in mp.active_children():
+            process.terminate()
+        raise KeyboardInterrupt
 
     try:
-        if args.metrics_out and os.environ.get("RANK", "0") == "0":  # its writer, before training:
+        # rank 0 writes --metrics-out at the end: if it cannot, say so now
+        if args.metrics_out and os.environ.get("RANK", "0") == "0":
             Path(args.metrics_out).parent.mkdir(parents=True, exist_ok=True)
-            open(args.metrics_out, "a").close()  # can it write there? if not, an OSError says why
-        if "RANK" in os.environ:  # torchrun sets RANK, LOCAL_RANK...; a cluster's pod may set RANK
-            return record(main)(int(os.environ.get("LOCAL_RANK", 0)), args)  # torchrun's summary
-        if int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) > 1:  # srun -n 2 python script.py
-            sys.exit("error: srun -n N starts N separate jobs; run torchrun once per node")
+            open(args.metrics_out, "a").close()
+        if "RANK" in os.environ:
+            # Started by torchrun (or a pod's RANK): this process is one rank.
+            # record() puts an error of this rank into torchrun's summary.
+            local_rank = int(os.environ.get("LOCAL_RANK", 0))
+            return record(main)(local_rank, args)
+        # srun -n N sets this: N copies of this launcher, each spawning its own world
+        if int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) > 1:
+            sys.exit(
+                "error: srun -n N starts N separate jobs; run torchrun once per node"
+            )
         if 0 < torch.cuda.device_count() < args.nprocs and not args.cpu:
-            sys.exit(f"error: --nprocs {args.nprocs}, but fewer GPUs here; use fewer, or --cpu")
-        os.environ.setdefault("OMP_NUM_THREADS", str(os.cpu_count() // args.nprocs or 1))  # cores
-        addr, port = os.environ.setdefault("MASTER_ADDR", "127.0.0.1"), os.getenv("MASTER_PORT", 0)
-        store = dist.TCPStore(addr, int(port), is_master=True)  # fixed: not 12355; yours or free,
-        os.environ.update(MASTER_PORT=str(store.port), WORLD_SIZE=str(args.nprocs))  # held by us:
-        os.environ["TORCHELASTIC_USE_AGENT_STORE"] = "True"  # ranks join our store, as torchrun's
-        signal.signal(signal.SIGINT, signal.default_int_handler)  # `cmd &` ignored it; so would
-        signal.signal(signal.SIGTERM, stop)  # the ranks, whose death-of-parent signal it is
-        mp.spawn(main, (args,), nprocs=args.nprocs)  # one rank fails: SIGTERM to the others
-    except (mp.ProcessExitedException, mp.ProcessRaisedException, OSError, dist.DistError) as e:
-        sys.exit(max(getattr(e, "exit_code", 0), 0) or f"error: {e}")  # a rank said why, or we do
-    except KeyboardInterrupt:  # Ctrl-C, which every rank got too, or a stop (above)
+            sys.exit(
+                f"error: --nprocs {args.nprocs}, but fewer GPUs here;"
+                " use fewer, or --cpu"
+            )
+        # fixed: each rank starts a thread per core, and the ranks fight over the
+        # cores; each gets its share (torchrun sets 1)
+        threads = max(1, os.cpu_count() // args.nprocs)
+        os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+        # fixed: not a hard-coded 12355: MASTER_PORT if set, else a free port. Our
+        # store holds it until the end, so a second run on it is refused at once.
+        addr = os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        port = int(os.environ.get("MASTER_PORT", 0))
+        store = dist.TCPStore(addr, port, is_master=True)
+        os.environ["MASTER_PORT"] = str(store.port)
+        # `cmd &` starts us with Ctrl-C ignored, and the ranks would inherit that. But
+        # mp.spawn has the kernel send each rank SIGINT if we die: it must get through.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, stop)
+        # when one rank fails, mp.spawn sends SIGTERM to the others and raises
+        mp.spawn(main, (args,), nprocs=args.nprocs)
+    except mp.ProcessExitedException as e:
+        # a rank that exited with a code has said why; one that a signal killed has not
+        if e.exit_code > 0:
+            sys.exit(e.exit_code)
+        sys.exit(f"error: {e}")
+    except (mp.ProcessRaisedException, OSError, dist.DistError) as e:
+        sys.exit(f"error: {e}")
+    except KeyboardInterrupt:
+        # Ctrl-C, which every rank got too, or a stop
         sys.exit(130)
 
 
 def positive(text: str) -> int:
     if not text.isdigit() or int(text) == 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number above 0, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number above 0, got {text!r}"
+        )
     return int(text)
 
 
-def check_args(args: argparse.Namespace) -> None:  # one line each, before any rank starts
-    try:  # ImageFolder: no folder, no class folders, a class without images; other classes
+def report(results: dict, first_epoch: int, args) -> None:
+    """The done line, and the results in --metrics-out."""
+    results["epochs_run"] = max(0, args.epochs + 1 - first_epoch)
+    keys = "epochs_run", "final_loss", "val_accuracy", "checkpoint"
+    print0(log_line("done", results, *keys))
+    if dist.get_rank() == 0 and args.metrics_out:
+        Path(args.metrics_out).write_text(json.dumps(results, indent=1))
+
+
+def log_line(head: str, results: dict, *keys: str) -> str:
+    """`head | key value | ...` for those of the keys that results has."""
+    parts = [head]
+    for key in keys:
+        if key in results:
+            value = results[key]
+            if type(value) is float:
+                value = f"{value:.4g}"
+            parts.append(f"{key} {value}")
+    return " | ".join(parts)
+
+
+def start_line(results: dict, first_epoch: int, args) -> str:
+    """`start | key value | ...`, then the epochs to run and the checkpoint they go
+    on from."""
+    head = log_line("start", results, *results.keys())
+    last = Path(args.ckpt_dir) / f"epoch_{first_epoch - 1}.pt"
+    if first_epoch > args.epochs:
+        return f"{head} | nothing to train: {last} reached --epochs {args.epochs}"
+    epochs = f"epochs {first_epoch}-{args.epochs}"
+    if first_epoch > 1:
+        return f"{head} | resuming from {last} | {epochs}"
+    return f"{head} | {epochs}"
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """Refuse bad input in one line each, before any rank starts."""
+    # ImageFolder raises for a missing folder, no class folders, a class without images
+    try:
         train_set, _, num_classes = load_datasets(args)
-    except (OSError, ValueError) as e:  # whose folder: --data's if it fails again on its own
+    except (OSError, ValueError) as e:
+        # Whose folder is it? --data's if ImageFolder fails on it alone, else
+        # --val-data's where given, else the error's own words.
+        flag = f"--val-data {args.val_data}: " if args.val_data else ""
         try:
-            args.data and datasets.ImageFolder(args.data)
+            if args.data:
+                datasets.ImageFolder(args.data)
         except OSError:
-            sys.exit(f"error: --data {args.data}: {e}")
-        sys.exit(f"error: --val-data {args.val_data}: {e}")
-    if len(train_set) < args.batch_size * int(os.environ.get("WORLD_SIZE", args.nprocs)):
-        sys.exit(f"error: {len(train_set)} images, too few for --batch-size {args.batch_size}")
-    saved = [f for f in Path(args.ckpt_dir).glob("epoch_*.pt") if f.stem[6:].isdigit()]
-    file = max(saved, key=lambda f: int(f.stem[6:]), default=None)  # the newest
-    if file and not args.resume:  # another run's: a later --resume would go on from it
-        sys.exit(f"error: {file} exists: add --resume to go on from it, or use another --ckpt-dir")
-    try:  # a file in the folder's place, a read-only disk; a damaged checkpoint, another model's
+            flag = f"--data {args.data}: "
+        sys.exit(f"error: {flag}{e}")
+    # drop_last: fewer images than one global batch would leave no step at all
+    processes = int(os.environ.get("WORLD_SIZE", args.nprocs))
+    if len(train_set) < args.batch_size * processes:
+        sys.exit(
+            f"error: {len(train_set)} images,"
+            f" too few for --batch-size {args.batch_size}"
+        )
+    newest = newest_epoch(args)
+    file = Path(args.ckpt_dir) / f"epoch_{newest}.pt"
+    # another run's checkpoints: a later --resume would go on from them
+    if newest and not args.resume:
+        sys.exit(
+            f"error: {file} exists: add --resume to go on from it,"
+            " or use another --ckpt-dir"
+        )
+    # a file in the folder's place, a read-only disk, a damaged checkpoint, another
+    # model's checkpoint
+    try:
         Path(args.ckpt_dir).mkdir(parents=True, exist_ok=True)
-        if file:
-            ckpt = torch.load(file, map_location="cpu", weights_only=True)["model_state_dict"]
-            build_model(args, num_classes).load_state_dict(ckpt)
+        if newest:
+            ckpt = torch.load(file, map_location="cpu", weights_only=True)
+            build_model(args, num_classes).load_state_dict(ckpt["model_state_dict"])
     except Exception as e:
-        why = " ".join(str(e).split("WeightsUnpickler error:")[-1].split())[:300]  # one line
-        sys.exit(f"error: cannot {f'resume from {file}' if file else 'make --ckpt-dir'}: {why}")
-    args.start_epoch = int(file.stem[6:]) + 1 if file else 1
-    args.todo = f"resuming from {file} | " * bool(file) + f"epochs {args.start_epoch}-{args.epochs}"
-    if args.start_epoch > args.epochs:  # a finished run resumed: scored again with --val-data
-        args.todo = f"nothing to train: {file} reached --epochs {args.epochs}"
+        # torch's own words, without its long advice on weights_only, on one line
+        why = str(e).split("WeightsUnpickler error:")[-1]
+        why = " ".join(why.split())
+        action = f"resume from {file}" if newest else "make --ckpt-dir"
+        sys.exit(f"error: cannot {action}: {why[:300]}")
+
+
+def add_data_and_model_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that only load_datasets and build_model read: a copy that replaces
+    those two functions replaces these too."""
+    p.add_argument("--data", help="an ImageFolder root; without it, synthetic images")
+    p.add_argument("--val-data", help="an ImageFolder root with --data's classes")
+    p.add_argument("--image-size", type=positive, default=224)
+    # every classification model in torchvision.models
+    p.add_argument("--arch", default="resnet50", choices=models.list_models(models))
 
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--nprocs", type=positive, default=torch.cuda.device_count() or 2, help="ranks")
-    p.add_argument("--cpu", action="store_true", help="gloo on CPU even where GPUs exist")
-    p.add_argument("--timeout", type=positive, default=300, help="seconds a rank waits for another")
+    gpus = torch.cuda.device_count()
+    p.add_argument("--nprocs", type=positive, default=gpus or 2, help="ranks")
+    p.add_argument(
+        "--cpu", action="store_true", help="gloo on CPU even where GPUs exist"
+    )
+    p.add_argument(
+        "--timeout", type=positive, default=300, help="seconds a rank waits for another"
+    )
     p.add_argument("--metrics-out", help="rank 0 writes the results here as JSON")
     p.add_argument("--epochs", type=positive, default=30)
     p.add_argument("--batch-size", type=positive, default=64, help="per process")
-    p.add_argument("--lr", type=float, default=0.01, help="SGD, momentum 0.9, weight decay 1e-4")
-    p.add_argument("--seed", type=int, default=0, help="initial weights, order, synthetic data")
+    p.add_argument(
+        "--lr", type=float, default=0.01, help="SGD, momentum 0.9, weight decay 1e-4"
+    )
+    p.add_argument(
+        "--seed", type=int, default=0, help="initial weights, order, synthetic data"
+    )
     p.add_argument("--max-steps", type=positive, help="end each epoch after N steps")
-    p.add_argument("--log-every", type=positive, default=10, help="a line every N steps")
-    p.add_argument("--data", help="an ImageFolder root; without it, synthetic images")
-    p.add_argument("--val-data", help="an ImageFolder root with --data's classes")
-    p.add_argument("--image-size", type=positive, default=224)
-    p.add_argument("--arch", default="resnet50", choices=models.list_models(models))
-    p.add_argument("--workers", type=int, default=4 * torch.cuda.is_available(), help="per rank")
+    p.add_argument(
+        "--log-every", type=positive, default=10, help="a line every N steps"
+    )
+    add_data_and_model_flags(p)
+    # 4 a rank where GPUs are visible; else none: they would compete with the ranks
+    # for the cores
+    p.add_argument("--workers", type=int, default=4 if gpus else 0, help="per rank")
     p.add_argument("--amp", action="store_true", help="bf16 autocast, for GPUs")
-    p.add_argument("--channels-last", action="store_true", help="NHWC memory format, for GPUs")
-    p.add_argument("--ckpt-dir", default="model_checkpoints", help="rank 0 saves epoch_N.pt here")
-    p.add_argument("--resume", action="store_true", help="go on after the newest epoch_N.pt")
-    p.set_defaults(start_epoch=1, todo="")  # check_args's, where it runs: rank 0 has its start
+    p.add_argument(
+        "--channels-last", action="store_true", help="NHWC memory format, for GPUs"
+    )
+    p.add_argument(
+        "--ckpt-dir", default="model_checkpoints", help="rank 0 saves epoch_N.pt here"
+    )
+    p.add_argument(
+        "--resume", action="store_true", help="go on after the newest epoch_N.pt"
+    )
     args = p.parse_args()
-    args.memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
+    args.memory_format = torch.contiguous_format
+    if args.channels_last:
+        args.memory_format = torch.channels_last
     return args
 
 
 if __name__ == "__main__":
     args = parse_args()
-    if os.environ.get("LOCAL_RANK", "0") == "0":  # under torchrun one process a node checks and
-        check_args(args)  # says why; the others wait for rank 0 in ddp_setup, or are stopped
+    # One process a node checks the input and says why it refuses: under torchrun the
+    # one with LOCAL_RANK 0. The others wait for rank 0 in ddp_setup; if it refuses,
+    # torchrun stops them.
+    if os.environ.get("LOCAL_RANK", "0") == "0":
+        check_args(args)
     launch(run_training_process_on_given_gpu, args)

@@ -1,9 +1,15 @@
-"""DataParallel ResNet (AIME "Multi GPU training with PyTorch", part 1): one process, every
-visible GPU, a checkpoint each epoch reloaded at the start of the next. ddp_resnet.py is faster.
-    python dp_resnet.py                         # all visible GPUs, resnet50, synthetic images
+"""DataParallel ResNet (AIME "Multi GPU training with PyTorch", part 1).
+
+One process drives every visible GPU; each epoch saves a checkpoint that the next one
+reloads. ddp_resnet.py is faster.
+
+    python dp_resnet.py           # all visible GPUs, resnet50, synthetic images
     CUDA_VISIBLE_DEVICES=0,1 python dp_resnet.py --data /path/to/train --resume
     python dp_resnet.py --cpu --arch resnet18 --image-size 64 --epochs 2 --max-steps 10
-It prints `start | ...`, `epoch 1/2 | step 10/10 | loss 7.0836 | 115 img/s`, epoch, done lines."""
+
+It prints `start | ...`, `epoch 1/2 | step 10/10 | loss 7.0836 | 115 img/s`, a line
+per epoch and `done | ...`.
+"""
 
 import argparse
 import io
@@ -12,6 +18,7 @@ import os
 import signal
 import sys
 import time
+from itertools import islice
 from pathlib import Path
 
 import torch
@@ -21,15 +28,20 @@ from torchvision import datasets, models
 
 
 def load_datasets(args: argparse.Namespace) -> tuple:
-    if not args.data:  # 12,800 random images, 256 distinct ones made once: no decoding
-        g, size = torch.Generator().manual_seed(0), args.image_size
-        images = TensorDataset(torch.randn(256, 3, size, size, generator=g), torch.arange(256))
+    """The training set and its number of classes."""
+    size = args.image_size
+    if not args.data:
+        # 12,800 random images: 256 distinct ones, made once, with no decoding
+        images = TensorDataset(torch.randn(256, 3, size, size), torch.arange(256))
         return Subset(images, [i % 256 for i in range(12800)]), 256
-    size, imagenet = args.image_size, ([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
-    # the tutorial's Resize(256), CenterCrop(224) at any --image-size; ImageNet's mean and std
-    resize = [T.Resize(size * 8 // 7), T.CenterCrop(size), T.ToTensor(), T.Normalize(*imagenet)]
+    # ImageNet's mean and standard deviation per colour
+    normalize = T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+    # the tutorial's Resize(256) and CenterCrop(224), scaled to --image-size
+    preprocess = T.Compose(
+        [T.Resize(size * 8 // 7), T.CenterCrop(size), T.ToTensor(), normalize]
+    )
     # fixed: the tutorial's ImageFolder(root=, ...) is a syntax error
-    train = datasets.ImageFolder(args.data, transform=T.Compose(resize))
+    train = datasets.ImageFolder(args.data, transform=preprocess)
     return train, len(train.classes)
 
 
@@ -38,142 +50,270 @@ def build_model(args: argparse.Namespace, num_classes: int) -> torch.nn.Module:
     return models.get_model(args.arch, weights=None, num_classes=num_classes)
 
 
-class Bf16Autocast(torch.nn.Sequential):  # --amp: DataParallel's threads would autocast to fp16
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+# a Sequential of the one model: its forward calls the model's
+class Bf16Autocast(torch.nn.Sequential):
+    """--amp: DataParallel runs each replica in a thread of its own and turns autocast
+    on there with its default type, fp16. This one, inside the replica, says bf16."""
+
+    def forward(self, x):
         with torch.autocast(x.device.type, dtype=torch.bfloat16):
             return super().forward(x)
 
 
-def save_model(epoch: int, net: torch.nn.Module, optimizer, args) -> str:  # tmp, fsync, rename
-    file = Path(args.ckpt_dir) / f"epoch_{epoch}.pt"  # fixed: no file.touch(): torch.save makes it
-    ckpt = dict(epoch=epoch, model_state_dict=net.state_dict())  # the bare model: no "module."
-    tmp, buffer = file.with_name(file.name + ".tmp"), io.BytesIO()
-    torch.save({**ckpt, "optimizer_state_dict": optimizer.state_dict()}, buffer)  # in memory
-    try:  # written by us: a full disk is an OSError that says so
+def newest_epoch(args) -> int:
+    """N of the newest epoch_N.pt in --ckpt-dir, 0 if there is none."""
+    numbers = [
+        file.stem.removeprefix("epoch_")
+        for file in Path(args.ckpt_dir).glob("epoch_*.pt")
+    ]
+    return max([int(n) for n in numbers if n.isdigit()], default=0)
+
+
+def save_model(epoch: int, net: torch.nn.Module, optimizer, args) -> str:
+    """Atomic: written to a .tmp file, fsynced, then renamed over epoch_N.pt."""
+    # fixed: no file.touch() first: torch.save makes the file
+    file = Path(args.ckpt_dir) / f"epoch_{epoch}.pt"
+    tmp = Path(f"{file}.tmp")
+    # net is the bare model: its keys have no "module." prefix
+    ckpt = dict(
+        epoch=epoch,
+        model_state_dict=net.state_dict(),
+        optimizer_state_dict=optimizer.state_dict(),
+    )
+    # Serialized in memory (a second copy, for a moment), then written by us: a full
+    # disk is then an OSError with its reason, not an error of torch's C++ writer.
+    buffer = io.BytesIO()
+    torch.save(ckpt, buffer)
+    try:
+        file.parent.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:
             f.write(buffer.getbuffer())
-            os.fsync(f.fileno())  # on disk before the rename publishes it
+            # on disk before the rename publishes it
+            os.fsync(f.fileno())
         os.replace(tmp, file)
-    except OSError as e:  # a full disk, a read-only folder
-        sys.exit(f"error: cannot save {file} ({e.strerror}); fix that, rerun with --resume")
+    except OSError as e:
+        sys.exit(
+            f"error: cannot save {file} ({e.strerror}); fix that, rerun with --resume"
+        )
     finally:
         tmp.unlink(missing_ok=True)
     return str(file)
 
 
 def load_model(epoch: int, net: torch.nn.Module, optimizer, args) -> None:
-    file = Path(args.ckpt_dir) / f"epoch_{epoch}.pt"  # one process: no barrier needed
-    try:  # onto GPU 0, where DataParallel copies from; --resume's may be damaged or foreign
-        ckpt = torch.load(file, map_location=next(net.parameters()).device, weights_only=True)
+    """One process: no barrier needed. --resume's file may be damaged or foreign."""
+    file = Path(args.ckpt_dir) / f"epoch_{epoch}.pt"
+    try:
+        # Onto the CPU, whatever device saved it: load_state_dict copies the weights
+        # into the model on GPU 0, and the optimizer moves its state to them.
+        ckpt = torch.load(file, map_location="cpu", weights_only=True)
         net.load_state_dict(ckpt["model_state_dict"])
         optimizer.load_state_dict(ckpt["optimizer_state_dict"])
     except Exception as e:
-        why = " ".join(str(e).split("WeightsUnpickler error:")[-1].split())  # on one line
+        # on one line, without torch's long advice on weights_only
+        why = " ".join(str(e).split("WeightsUnpickler error:")[-1].split())
         sys.exit(f"error: cannot resume from {file}: {why[:300]}")
 
 
-def run_training(gpus: int, train_set, num_classes: int, args: argparse.Namespace) -> None:
-    # fixed: shuffle=False gave every epoch one order; seeded per epoch (below), a resumed run has
-    # an unbroken one's orders, augmentation and dropout. drop_last: BatchNorm fails on 1 image.
-    kwargs = dict(num_workers=args.workers, pin_memory=gpus > 0, drop_last=True)
-    device = torch.device("cuda" if gpus else "cpu", 0)
-    dataloader = DataLoader(train_set, args.batch_size, True, **kwargs)
-    torch.manual_seed(0)
-    model = net = build_model(args, num_classes).to(device, memory_format=args.memory_format)
-    if gpus:  # the replicas start on GPU 0; see Bf16Autocast
-        model = torch.nn.DataParallel(Bf16Autocast(net) if args.amp else net, list(range(gpus)))
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4)
+def train(model, dataloader, optimizer, device, epoch: int, steps: int, args) -> dict:
+    # shuffle=True draws each epoch's order from torch's generator. Seeded by the
+    # epoch, a resumed run draws what an unbroken run drew: the order, the loader
+    # workers' seeds, and the dropout of a model of your own.
+    torch.manual_seed(epoch)
+    # summed on the device: .item() at every step would wait for it
+    loss_sum = torch.zeros((), device=device)
+    began = time.monotonic()
+    last_print = began
+    for step, (images, labels) in enumerate(islice(dataloader, steps), start=1):
+        images = images.to(device, non_blocking=True, memory_format=args.memory_format)
+        optimizer.zero_grad(set_to_none=True)
+        # --amp, bf16 (no GradScaler): Bf16Autocast does the replicas' forward; this
+        # autocast does the loss, and the whole step on a CPU
+        with torch.autocast(device.type, torch.bfloat16, enabled=args.amp):
+            loss = torch.nn.functional.cross_entropy(model(images), labels.to(device))
+        loss.backward()
+        optimizer.step()
+        loss_sum += loss.detach().float()
+        # a line every 10 steps and at the last, and at least every 30 s
+        if step % 10 == 0 or step == steps or time.monotonic() - last_print > 30:
+            # .item() waits for the device, so the time after it is true
+            value = loss.item()
+            last_print = time.monotonic()
+            rate = step * args.batch_size / (last_print - began)
+            print(
+                f"epoch {epoch}/{args.epochs} | step {step}/{steps}"
+                f" | loss {value:.4f} | {rate:.0f} img/s"
+            )
+    # final_loss, the metrics' name: after the last epoch, this epoch's mean is final
+    return dict(
+        final_loss=loss_sum.item() / steps,
+        images_per_sec=steps * args.batch_size / (time.monotonic() - began),
+    )
+
+
+def run_training(gpus: int, train_set, num_classes: int, args) -> None:
+    device = torch.device("cuda:0" if gpus else "cpu")
+    # fixed: shuffle=False gave every epoch one order. drop_last: BatchNorm cannot
+    # train on a 1-image batch.
+    dataloader = DataLoader(
+        train_set,
+        batch_size=args.batch_size,
+        shuffle=True,
+        num_workers=args.workers,
+        pin_memory=gpus > 0,
+        drop_last=True,
+    )
+    # net: the bare model, which the checkpoints hold
+    net = build_model(args, num_classes).to(device, memory_format=args.memory_format)
+    model = Bf16Autocast(net) if args.amp else net
+    if gpus:
+        # every visible GPU (CUDA_VISIBLE_DEVICES chooses): at each step, DataParallel
+        # copies the model from GPU 0 to them and splits the batch between them
+        model = torch.nn.DataParallel(model)
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=args.lr, momentum=0.9, weight_decay=1e-4
+    )
     steps = min(len(dataloader), args.max_steps or len(dataloader))
-    m = dict(script=Path(__file__).name, world_size=max(gpus, 1), device=device.type)
-    m.update(model=type(net).__name__, steps=steps)  # world_size: the GPUs DataParallel uses
-    print("start |", " | ".join(f"{k} {v}" for k, v in m.items()), "|", args.todo)
-    for epoch in range(args.start_epoch, args.epochs + 1):  # fixed: range(1, 30) ran 29 epochs
+    # world_size: the GPUs DataParallel uses
+    results = dict(script=Path(__file__).name, world_size=max(gpus, 1))
+    results.update(device=device.type, model=type(net).__name__, steps=steps)
+    first_epoch = (newest_epoch(args) + 1) if args.resume else 1
+    start = " | ".join(f"{k} {v}" for k, v in results.items())
+    print(f"start | {start} | {plan(first_epoch, args)}")
+    # fixed: the tutorial's range(1, 30) ran 29 epochs
+    for epoch in range(first_epoch, args.epochs + 1):
         if epoch > 1:
             load_model(epoch - 1, net, optimizer, args)
-        torch.manual_seed(epoch)  # the order and the randomness of each epoch, see above
-        total, began, shown = torch.zeros((), device=device), time.monotonic(), time.monotonic()
-        for step, (images, labels) in zip(range(1, steps + 1), dataloader, strict=False):
-            images = images.to(device, non_blocking=True, memory_format=args.memory_format)
-            with torch.autocast(device.type, torch.bfloat16, enabled=args.amp):  # no GradScaler
-                loss = torch.nn.functional.cross_entropy(model(images), labels.to(device))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-            total += loss.detach().float()
-            if step % 10 == 0 or step == steps or time.monotonic() - shown > 30:  # never quiet
-                head = f"epoch {epoch}/{args.epochs} | step {step}/{steps} | loss {loss.item():.4f}"
-                shown = time.monotonic()  # after .item(), which waits for the device
-                print(f"{head} | {step * args.batch_size / (time.monotonic() - began):.0f} img/s")
-        m.update(final_loss=total.item() / steps, epochs_run=epoch + 1 - args.start_epoch)
-        m.update(images_per_sec=steps * args.batch_size / (time.monotonic() - began))
-        m["checkpoint"] = save_model(epoch, net, optimizer, args)
-        print(f"epoch {epoch}/{args.epochs} | loss {m['final_loss']:.4f} | saved {m['checkpoint']}")
-    print(f"done | epochs_run {m.get('epochs_run', 0)} | checkpoint {m.get('checkpoint', '-')}")
+        results.update(train(model, dataloader, optimizer, device, epoch, steps, args))
+        results["epochs_run"] = epoch + 1 - first_epoch
+        results["checkpoint"] = save_model(epoch, net, optimizer, args)
+        print(
+            f"epoch {epoch}/{args.epochs} | loss {results['final_loss']:.4f}"
+            f" | saved {results['checkpoint']}"
+        )
+    print(
+        f"done | epochs_run {results.get('epochs_run', 0)}"
+        f" | checkpoint {results.get('checkpoint', '-')}"
+    )
     if args.metrics_out:
-        Path(args.metrics_out).write_text(json.dumps(m, indent=1))
+        Path(args.metrics_out).write_text(json.dumps(results, indent=1))
+
+
+def plan(first_epoch: int, args) -> str:
+    """The start line's end: the epochs to run, and the checkpoint they go on from."""
+    last = Path(args.ckpt_dir) / f"epoch_{first_epoch - 1}.pt"
+    if first_epoch > args.epochs:
+        return f"nothing to train: {last} reached --epochs {args.epochs}"
+    epochs = f"epochs {first_epoch}-{args.epochs}"
+    if first_epoch > 1:
+        return f"resuming from {last} | {epochs}"
+    return epochs
 
 
 # --- launching and checks ---
-def check_args(args: argparse.Namespace) -> int:  # refuse in one line; the GPUs to use
-    if int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) > 1:  # srun -n 2 python dp_resnet.py
-        sys.exit("error: srun -n N starts N separate trainings; DataParallel is one process")
-    gpus = 0 if args.cpu else torch.cuda.device_count()  # CUDA_VISIBLE_DEVICES chooses them
-    if args.batch_size < 2 * gpus:  # DataParallel splits it, and BatchNorm needs 2 images
-        sys.exit(f"error: --batch-size {args.batch_size} for {gpus} GPUs: use 2 or more a GPU")
-    saved = [f for f in Path(args.ckpt_dir).glob("epoch_*.pt") if f.stem[6:].isdigit()]
-    file = max(saved, key=lambda f: int(f.stem[6:]), default=None)  # the newest
-    if file and not args.resume:  # another run's: a later --resume would go on from it
-        sys.exit(f"error: {file} exists: add --resume to go on from it, or use another --ckpt-dir")
-    try:  # before training, not after: a file in a folder's place, a read-only disk
+# A copy may drop the refusals here and in __main__: bad input then ends in a
+# traceback instead of one line. It must keep the SIGTERM line in __main__: a stop
+# then ends a save as Ctrl-C does, and leaves no .tmp file.
+def check_args(args: argparse.Namespace) -> int:
+    """Refuse bad input in one line each; return the number of GPUs to use."""
+    if int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) > 1:
+        sys.exit(
+            "error: srun -n N starts N separate trainings; DataParallel is one process"
+        )
+    # CUDA_VISIBLE_DEVICES chooses them
+    gpus = 0 if args.cpu else torch.cuda.device_count()
+    # DataParallel splits the batch, and BatchNorm needs 2 images
+    if args.batch_size < 2 * gpus:
+        sys.exit(
+            f"error: --batch-size {args.batch_size} for {gpus} GPUs:"
+            " use 2 or more a GPU"
+        )
+    newest = newest_epoch(args)
+    # another run's checkpoints: a later --resume would go on from them
+    if newest and not args.resume:
+        file = Path(args.ckpt_dir) / f"epoch_{newest}.pt"
+        sys.exit(
+            f"error: {file} exists: add --resume to go on from it,"
+            " or use another --ckpt-dir"
+        )
+    # before training, not after: a file in a folder's place, a read-only disk
+    try:
         Path(args.ckpt_dir).mkdir(parents=True, exist_ok=True)
-        Path(args.metrics_out or ".").parent.mkdir(parents=True, exist_ok=True)
-        open(args.metrics_out or os.devnull, "a").close()  # written at the end: can it be?
+        if args.metrics_out:
+            Path(args.metrics_out).parent.mkdir(parents=True, exist_ok=True)
+            # written at the end: can it be?
+            open(args.metrics_out, "a").close()
     except OSError as e:
         sys.exit(f"error: cannot make {e.filename}: {e.strerror}")
-    args.start_epoch = int(file.stem[6:]) + 1 if file else 1
-    args.todo = f"resuming from {file} | " * bool(file) + f"epochs {args.start_epoch}-{args.epochs}"
-    if args.start_epoch > args.epochs:  # a finished run resumed
-        args.todo = f"nothing to train: {file} reached --epochs {args.epochs}"
-    args.memory_format = torch.channels_last if args.channels_last else torch.contiguous_format
     return gpus
-
-
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--cpu", action="store_true", help="the plain model on CPU even with GPUs")
-    p.add_argument("--metrics-out", help="write the results here as JSON")
-    p.add_argument("--epochs", type=positive, default=30)
-    p.add_argument("--batch-size", type=positive, default=64, help="global, split over the GPUs")
-    p.add_argument("--lr", type=float, default=0.01, help="SGD, momentum 0.9, weight decay 1e-4")
-    p.add_argument("--max-steps", type=positive, help="end each epoch after N steps")
-    p.add_argument("--data", help="an ImageFolder root; without it, synthetic images")
-    p.add_argument("--image-size", type=positive, default=224)
-    p.add_argument("--arch", default="resnet50", choices=models.list_models(models))
-    p.add_argument("--workers", type=int, default=4 * torch.cuda.device_count(), help="loaders")
-    p.add_argument("--amp", action="store_true", help="bf16 autocast, for GPUs")
-    p.add_argument("--channels-last", action="store_true", help="NHWC memory format, for GPUs")
-    p.add_argument("--ckpt-dir", default="model_checkpoints", help="where epoch_N.pt goes")
-    p.add_argument("--resume", action="store_true", help="go on after the newest epoch_N.pt")
-    return p.parse_args()
 
 
 def positive(text: str) -> int:
     if not text.isdigit() or int(text) == 0:
-        raise argparse.ArgumentTypeError(f"expected a whole number above 0, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"expected a whole number above 0, got {text!r}"
+        )
     return int(text)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--cpu", action="store_true", help="the plain model on CPU even with GPUs"
+    )
+    p.add_argument("--metrics-out", help="write the results here as JSON")
+    p.add_argument("--epochs", type=positive, default=30)
+    p.add_argument(
+        "--batch-size", type=positive, default=64, help="global, split over the GPUs"
+    )
+    p.add_argument(
+        "--lr", type=float, default=0.01, help="SGD, momentum 0.9, weight decay 1e-4"
+    )
+    p.add_argument("--max-steps", type=positive, help="end each epoch after N steps")
+    # read only by load_datasets and build_model: a copy that replaces them drops these
+    p.add_argument("--data", help="an ImageFolder root; without it, synthetic images")
+    p.add_argument("--image-size", type=positive, default=224)
+    p.add_argument("--arch", default="resnet50", choices=models.list_models(models))
+    p.add_argument(
+        "--workers", type=int, default=4 * torch.cuda.device_count(), help="loaders"
+    )
+    p.add_argument("--amp", action="store_true", help="bf16 autocast, for GPUs")
+    p.add_argument(
+        "--channels-last", action="store_true", help="NHWC memory format, for GPUs"
+    )
+    p.add_argument(
+        "--ckpt-dir", default="model_checkpoints", help="where epoch_N.pt goes"
+    )
+    p.add_argument(
+        "--resume", action="store_true", help="go on after the newest epoch_N.pt"
+    )
+    args = p.parse_args()
+    args.memory_format = torch.contiguous_format
+    if args.channels_last:
+        args.memory_format = torch.channels_last
+    return args
 
 
 if __name__ == "__main__":
     args = parse_args()
     gpus = check_args(args)
-    try:  # ImageFolder: no folder, no class folders, a class without images
+    # the same synthetic images and initial weights in every run
+    torch.manual_seed(0)
+    # ImageFolder raises for a missing folder, no class folders, a class without images
+    try:
         train_set, num_classes = load_datasets(args)
     except OSError as e:
         sys.exit(f"error: --data {args.data}: {e}")
-    if len(train_set) < args.batch_size:  # drop_last would leave no step at all
-        sys.exit(f"error: {len(train_set)} images, too few for --batch-size {args.batch_size}")
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # a stop ends a save as Ctrl-C does
+    # drop_last would leave no step at all
+    if len(train_set) < args.batch_size:
+        sys.exit(
+            f"error: {len(train_set)} images,"
+            f" too few for --batch-size {args.batch_size}"
+        )
+    # SIGTERM (a stop) ends a save as Ctrl-C does: its .tmp file is removed
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         run_training(gpus, train_set, num_classes, args)
-    except KeyboardInterrupt:  # Ctrl-C: a save in progress has removed its temporary file
+    except KeyboardInterrupt:
+        # Ctrl-C: a save in progress has removed its temporary file
         sys.exit(130)
