@@ -8,7 +8,17 @@ import sys
 
 import torch
 
-from conftest import ONE_THREAD, ROOT, finish_all, metrics, run, same_weights, start
+from conftest import (
+    ONE_THREAD,
+    RESNET,
+    ROOT,
+    finish_all,
+    last_line,
+    metrics,
+    run,
+    same_weights,
+    start,
+)
 
 OWN = '''def load_datasets(args: argparse.Namespace) -> tuple:
     """Random crops and flips of the training images, plain validation images, two classes."""
@@ -43,6 +53,7 @@ def own_copy(folder, original="ddp_resnet.py", own=OWN):
 
 def test_own_model_and_data_in_two_functions(tmp_path):
     script, diff = own_copy(tmp_path)
+    assert len(diff) <= 40  # one hunk: the two functions, nothing else
     print(
         f"the swap changes {len(diff)} lines: {sum(d[0] == '-' for d in diff)} out, {sum(d[0] == '+' for d in diff)} in"
     )
@@ -96,3 +107,44 @@ def test_dataparallel_copy_resumes_to_the_bit_with_augmentation_and_dropout(tmp_
     cmd = [*flags, "--epochs", 2, "--ckpt-dir", first, "--resume"]
     run([str(c) for c in cmd], timeout=120, env=ONE_THREAD)
     same_weights(unbroken / "epoch_2.pt", first / "epoch_2.pt")
+
+
+def test_a_copy_without_the_checks_still_resumes(uninterrupted, tmp_path):
+    """Rank 0 decides where to resume inside the per-process function, not in check_args: a
+    copy that drops the checks goes on after the newest checkpoint, and the file it goes on
+    from stays as it was (once, such a copy trained from epoch 1 and overwrote epoch_1.pt)."""
+    text = (ROOT / "ddp_resnet.py").read_text()
+    assert text.count("        check_args(args)") == 1  # the call under __main__
+    script = tmp_path / "unchecked.py"
+    script.write_text(text.replace("        check_args(args)", "        pass"))
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    (folder / "epoch_1.pt").write_bytes((uninterrupted[0] / "epoch_1.pt").read_bytes())
+    before = (folder / "epoch_1.pt").read_bytes()
+    flags = [*RESNET, "--nprocs", 2, "--epochs", 2, "--ckpt-dir", folder, "--resume"]
+    res = run([sys.executable, str(script), *map(str, flags)], timeout=120, env=ONE_THREAD)
+    assert res.stdout.splitlines()[0].endswith(
+        f"| resuming from {folder / 'epoch_1.pt'} | epochs 2-2"
+    )
+    assert (folder / "epoch_1.pt").read_bytes() == before
+    same_weights(uninterrupted[0] / "epoch_2.pt", folder / "epoch_2.pt")
+
+
+MISSING = """def load_datasets(args: argparse.Namespace) -> tuple:
+    return torch.load("/nonexistent/my_images.pt"), None, 2
+
+
+def build_model(args: argparse.Namespace, num_classes: int) -> torch.nn.Module:
+    return torch.nn.Linear(4, num_classes)
+"""
+
+
+def test_a_copy_whose_own_data_fails_is_refused_in_the_errors_own_words(tmp_path):
+    """Only --data's and --val-data's folders are named, and only when given: a copy's own
+    load_datasets that fails is its error's own words (once: `--val-data None: [Errno 2] ...`)."""
+    script, _ = own_copy(tmp_path, own=MISSING)
+    res = run([sys.executable, str(script), "--cpu"], timeout=60, check=False)
+    assert res.returncode == 1 and "start |" not in res.stdout
+    assert last_line(res.stderr) == (
+        "error: [Errno 2] No such file or directory: '/nonexistent/my_images.pt'"
+    )
