@@ -45,21 +45,22 @@ def ddp_setup(local_rank: int, args: argparse.Namespace) -> torch.device:
     # --timeout: a collective that waits longer than this for another rank fails, so
     # a lost rank ends the job instead of hanging it
     timeout = timedelta(seconds=args.timeout)
-    # device_id (optional): NCCL connects this GPU now, not at the first collective,
-    # and barrier() knows which GPU to use
+    # device_id (optional) names this rank's GPU to the group up front: NCCL sets up
+    # now rather than at the first collective, and barrier() need not guess the GPU
     kwargs = dict(timeout=timeout, device_id=device if cuda else None)
     # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, which
     # init_process_group's default, env://, reads.
     if "RANK" not in os.environ:
-        # Started by mp.spawn in launch() instead. launch() holds MASTER_PORT in a
-        # TCPStore, so that no other run takes the port; this rank joins that store
-        # as a client. On one machine the spawn index is the rank.
+        # Started by mp.spawn in launch() instead. launch() keeps a TCPStore (the
+        # key-value server where the ranks meet) open on MASTER_PORT, so that no other
+        # run takes the port; this rank connects to it as a client. On one machine the
+        # spawn index is the rank.
         port = int(os.environ["MASTER_PORT"])
         store = dist.TCPStore(os.environ["MASTER_ADDR"], port, timeout=timeout)
         kwargs.update(store=store, rank=local_rank, world_size=args.nprocs)
     dist.init_process_group(backend, **kwargs)
-    # A stop (SIGTERM) now unwinds the rank as Ctrl-C does, through its `finally`
-    # blocks (where a checkpoint save cleans up).
+    # A stop (SIGTERM) now raises KeyboardInterrupt in the rank, as Ctrl-C does, so
+    # its clean-up code runs
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     return device
 
@@ -174,9 +175,9 @@ def test(
 def main(local_rank: int, args: argparse.Namespace) -> None:
     device = ddp_setup(local_rank, args)
     try:
-        # fixed: every rank downloaded at once. One process a machine downloads before
-        # it joins (below, under __main__). Every rank waits here until all have
-        # joined: init_process_group need not wait for the others.
+        # fixed: every rank downloaded at once. Under torchrun, local rank 0 of each
+        # machine downloads before it joins (below, under __main__); the others wait
+        # here until all have joined, so that none reads a half-written file.
         dist.barrier()
         # seed 0: the same synthetic data on every rank, and the same initial weights in
         # every run (DDP copies rank 0's to the other ranks)
@@ -207,9 +208,9 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
             Path(args.metrics_out).write_text(json.dumps(results, indent=1))
         dist.destroy_process_group()
     except RuntimeError as e:
-        # A collective whose peer died raises this, in gloo's or NCCL's words. This
-        # rank waits 3 s before it fails, so that mp.spawn sees the peer's death first
-        # and reports that rank, the cause.
+        # A collective whose peer died raises this (the three phrases are gloo's and
+        # NCCL's for a lost connection). This rank waits 3 s before it fails, so that
+        # mp.spawn sees the peer's death first and reports that rank, the cause.
         if any(w in str(e) for w in ("by peer", "Broken pipe", "remote process")):
             time.sleep(3)
         raise
@@ -258,14 +259,16 @@ def launch(main, args: argparse.Namespace) -> None:
         port = int(os.environ.get("MASTER_PORT", 0))
         store = dist.TCPStore(addr, port, is_master=True)
         os.environ["MASTER_PORT"] = str(store.port)
-        # `cmd &` starts us with Ctrl-C ignored, and the ranks would inherit that. But
-        # mp.spawn has the kernel send each rank SIGINT if we die: it must get through.
+        # Started as `cmd &`, this launcher ignores Ctrl-C, and the ranks would inherit
+        # that. mp.spawn asks the kernel to send each rank SIGINT when the launcher
+        # dies, so SIGINT must not be ignored.
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, stop)
         # when one rank fails, mp.spawn sends SIGTERM to the others and raises
         mp.spawn(main, (args,), nprocs=args.nprocs)
     except mp.ProcessExitedException as e:
-        # a rank that exited with a code has said why; one that a signal killed has not
+        # a rank that exited with a code (> 0) has said why; one that a signal killed
+        # (exit_code < 0) has not
         if e.exit_code > 0:
             sys.exit(e.exit_code)
         sys.exit(f"error: {e}")

@@ -2,6 +2,7 @@
 
     python ddp_resnet.py          # one process per GPU, or 2 CPU processes
     torchrun --standalone --nproc-per-node=2 ddp_resnet.py --cpu --arch resnet18
+    # a run of seconds on a CPU:
     python ddp_resnet.py --cpu --arch resnet18 --image-size 32 --epochs 2 --max-steps 3
 
 Rank 0 prints `start | ...`, progress lines, one line per epoch and `done | ...`.
@@ -41,21 +42,22 @@ def ddp_setup(local_rank: int, args: argparse.Namespace) -> torch.device:
     # --timeout: a collective that waits longer than this for another rank fails, so
     # a lost rank ends the job instead of hanging it
     timeout = timedelta(seconds=args.timeout)
-    # device_id (optional): NCCL connects this GPU now, not at the first collective,
-    # and barrier() knows which GPU to use
+    # device_id (optional) names this rank's GPU to the group up front: NCCL sets up
+    # now rather than at the first collective, and barrier() need not guess the GPU
     kwargs = dict(timeout=timeout, device_id=device if cuda else None)
     # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, which
     # init_process_group's default, env://, reads.
     if "RANK" not in os.environ:
-        # Started by mp.spawn in launch() instead. launch() holds MASTER_PORT in a
-        # TCPStore, so that no other run takes the port; this rank joins that store
-        # as a client. On one machine the spawn index is the rank.
+        # Started by mp.spawn in launch() instead. launch() keeps a TCPStore (the
+        # key-value server where the ranks meet) open on MASTER_PORT, so that no other
+        # run takes the port; this rank connects to it as a client. On one machine the
+        # spawn index is the rank.
         port = int(os.environ["MASTER_PORT"])
         store = dist.TCPStore(os.environ["MASTER_ADDR"], port, timeout=timeout)
         kwargs.update(store=store, rank=local_rank, world_size=args.nprocs)
     dist.init_process_group(backend, **kwargs)
-    # A stop (SIGTERM) now unwinds the rank as Ctrl-C does, through its `finally`
-    # blocks (where a checkpoint save cleans up).
+    # A stop (SIGTERM) now raises KeyboardInterrupt in the rank, as Ctrl-C does, so
+    # its clean-up code runs
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     return device
 
@@ -105,7 +107,8 @@ def prepare_dataloader(train_set, device: torch.device, args) -> DataLoader:
     # The loader workers start from a forkserver that imported torchvision once, not
     # as forks of this rank: a rank runs gloo's (or NCCL's) threads, and a child
     # forked from a threaded process can hang on a lock one of them held. DataLoader
-    # uses the default start method, and this rank starts no other processes.
+    # uses the default start method; force=True is safe, as a rank's only children
+    # are its loader workers.
     mp.set_forkserver_preload(["torchvision"])
     mp.set_start_method("forkserver", force=True)
     return DataLoader(
@@ -127,10 +130,10 @@ def train(
     its speed."""
     # fixed: without set_epoch every epoch has the same order
     dataloader.sampler.set_epoch(epoch)
-    # Seeded from --seed, the epoch and the rank, a resumed run draws what an unbroken
-    # run drew: the loader workers' seeds, and the dropout and random augmentation of
-    # a model or data of your own. hash() of ints is the same in every process, and
-    # manual_seed takes any 64-bit number.
+    # One seed per rank and epoch, the same in every run: a resumed run draws what an
+    # unbroken run drew (the loader workers' seeds, and the dropout and random
+    # augmentation of a model or data of your own). hash() of ints is the same in
+    # every process, and manual_seed takes any 64-bit number.
     torch.manual_seed(hash((args.seed, epoch, dist.get_rank())))
     global_batch = args.batch_size * dist.get_world_size()
     # summed on the device: .item() at every step would wait for it
@@ -164,7 +167,8 @@ def train(
     dist.all_reduce(loss_sum)
     loss = loss_sum.item() / steps / dist.get_world_size()
     seconds = time.monotonic() - began
-    # final_loss, the metrics' name: after the last epoch, this epoch's mean is final
+    # this epoch's mean loss; each epoch's replaces the one before, so the metrics
+    # JSON's final_loss is the last epoch's
     return dict(
         final_loss=loss, images_per_sec=steps * global_batch / seconds, seconds=seconds
     )
@@ -256,7 +260,7 @@ def load_model(epoch: int, model: DDP, optimizer, args) -> None:
 
 
 def new_results(model, device, steps) -> dict:
-    """A run's results, begun with what runs where (the start line's facts)."""
+    """What runs where, for the start line; train and evaluate add their results."""
     return dict(
         script=Path(__file__).name,
         world_size=dist.get_world_size(),
@@ -322,9 +326,9 @@ def run_training_process_on_given_gpu(local_rank: int, args: argparse.Namespace)
         del model
         dist.destroy_process_group()
     except RuntimeError as e:
-        # A collective whose peer died raises this, in gloo's or NCCL's words. This
-        # rank waits 3 s before it fails, so that mp.spawn sees the peer's death first
-        # and reports that rank, the cause.
+        # A collective whose peer died raises this (the three phrases are gloo's and
+        # NCCL's for a lost connection). This rank waits 3 s before it fails, so that
+        # mp.spawn sees the peer's death first and reports that rank, the cause.
         if any(w in str(e) for w in ("by peer", "Broken pipe", "remote process")):
             time.sleep(3)
         raise
@@ -373,14 +377,16 @@ def launch(main, args: argparse.Namespace) -> None:
         port = int(os.environ.get("MASTER_PORT", 0))
         store = dist.TCPStore(addr, port, is_master=True)
         os.environ["MASTER_PORT"] = str(store.port)
-        # `cmd &` starts us with Ctrl-C ignored, and the ranks would inherit that. But
-        # mp.spawn has the kernel send each rank SIGINT if we die: it must get through.
+        # Started as `cmd &`, this launcher ignores Ctrl-C, and the ranks would inherit
+        # that. mp.spawn asks the kernel to send each rank SIGINT when the launcher
+        # dies, so SIGINT must not be ignored.
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, stop)
         # when one rank fails, mp.spawn sends SIGTERM to the others and raises
         mp.spawn(main, (args,), nprocs=args.nprocs)
     except mp.ProcessExitedException as e:
-        # a rank that exited with a code has said why; one that a signal killed has not
+        # a rank that exited with a code (> 0) has said why; one that a signal killed
+        # (exit_code < 0) has not
         if e.exit_code > 0:
             sys.exit(e.exit_code)
         sys.exit(f"error: {e}")

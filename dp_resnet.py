@@ -105,7 +105,8 @@ def load_model(epoch: int, net: torch.nn.Module, optimizer, args) -> None:
     file = Path(args.ckpt_dir) / f"epoch_{epoch}.pt"
     try:
         # Onto the CPU, whatever device saved it: load_state_dict copies the weights
-        # into the model on GPU 0, and the optimizer moves its state to them.
+        # into the model on GPU 0, and the optimizer moves its state to the model's
+        # parameters.
         ckpt = torch.load(file, map_location="cpu", weights_only=True)
         net.load_state_dict(ckpt["model_state_dict"])
         optimizer.load_state_dict(ckpt["optimizer_state_dict"])
@@ -144,7 +145,8 @@ def train(model, dataloader, optimizer, device, epoch: int, steps: int, args) ->
                 f"epoch {epoch}/{args.epochs} | step {step}/{steps}"
                 f" | loss {value:.4f} | {rate:.0f} img/s"
             )
-    # final_loss, the metrics' name: after the last epoch, this epoch's mean is final
+    # this epoch's mean loss; each epoch's replaces the one before, so the metrics
+    # JSON's final_loss is the last epoch's
     return dict(
         final_loss=loss_sum.item() / steps,
         images_per_sec=steps * args.batch_size / (time.monotonic() - began),
