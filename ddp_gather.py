@@ -1,4 +1,4 @@
-"""Gather per-rank objects and tensors ("A Comprehensive Tutorial to Pytorch DDP", 6).
+"""Gather per-rank objects and tensors (Comprehensive Tutorial to PyTorch DDP, sec. 6).
 
     python ddp_gather.py          # one process per GPU, or 2 CPU processes
     torchrun --standalone --nproc-per-node=3 ddp_gather.py --cpu   # gloo, 3 ranks
