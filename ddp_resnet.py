@@ -179,7 +179,8 @@ def evaluate(model: DDP, val_set, device, args) -> dict:
     """Top-1 accuracy, each image once: a DistributedSampler would pad the shares to
     equal length with repeated images."""
     # BatchNorm's running statistics: DDP copies rank 0's at each training step, and
-    # then each rank's own batch updates them. Score with rank 0's, the saved ones.
+    # then each rank's own batch updates them. Score with rank 0's, the saved ones (the
+    # next training step would copy them over anyway).
     for buffer in model.module.buffers():
         dist.broadcast(buffer, src=0)
     # every world_size-th image, from this rank's number on
@@ -273,6 +274,7 @@ def new_results(model, device, steps) -> dict:
 
 def run_training_process_on_given_gpu(local_rank: int, args: argparse.Namespace):
     device = ddp_setup(local_rank, args)
+    # the except at the end: a rank that lost its peer lets the peer be reported
     try:
         # --seed: the same synthetic images on every rank, and the same initial weights
         # in every run. (The other ranks' initial weights do not matter: DDP replaces
@@ -289,8 +291,8 @@ def run_training_process_on_given_gpu(local_rank: int, args: argparse.Namespace)
         # --max-steps, where given, ends each epoch early
         steps = min(len(dataloader), args.max_steps or len(dataloader))
         # Epoch 1, or with --resume the one after rank 0's newest checkpoint. Rank 0
-        # looks in --ckpt-dir, and every rank starts where it says, even where a node
-        # sees the shared folder late.
+        # looks in --ckpt-dir and every rank starts where it says: a node whose listing
+        # differs (a stale extra file, say) cannot pick another epoch.
         start = torch.tensor(1, device=device)
         if dist.get_rank() == 0 and args.resume:
             start += newest_epoch(args)
