@@ -244,14 +244,13 @@ def save_model(epoch: int, model: DDP, optimizer, args) -> str:
     return str(file)
 
 
-def load_model(epoch: int, model: DDP, optimizer, args) -> None:
+def load_model(epoch: int, model: DDP, optimizer, device, args) -> None:
     """Every rank loads the file rank 0 saved: on several nodes, --ckpt-dir is a
     folder they share."""
     # Every rank waits here until rank 0 has saved the file. No barrier is needed
     # after the load: each rank only reads it, and the next step's collectives keep
     # the ranks together.
     dist.barrier()
-    device = next(model.parameters()).device
     file = Path(args.ckpt_dir) / f"epoch_{epoch}.pt"
     # fixed: map_location onto this rank's own device (the tutorial's cuda:0->cuda:rank
     # map fails on a CPU). weights_only: loading a checkpoint runs no code of its own.
@@ -306,7 +305,7 @@ def run_training_process_on_given_gpu(local_rank: int, args: argparse.Namespace)
             # saved. The ranks' weights agree already; this shows the load, and it is
             # the first load of a resumed run.
             if epoch > 1:
-                load_model(epoch - 1, model, optimizer, args)
+                load_model(epoch - 1, model, optimizer, device, args)
             trained = train(model, dataloader, optimizer, device, epoch, steps, args)
             results.update(trained)
             # the global rank: the tutorial's LOCAL_RANK 0 is one writer per node
@@ -320,7 +319,7 @@ def run_training_process_on_given_gpu(local_rank: int, args: argparse.Namespace)
             print0(log_line(f"epoch {epoch}/{args.epochs}", results, *keys))
         # --resume of a run that reached --epochs trains nothing, but scores again
         if val_set is not None and first_epoch > args.epochs:
-            load_model(first_epoch - 1, model, optimizer, args)
+            load_model(first_epoch - 1, model, optimizer, device, args)
             results.update(evaluate(model, val_set, device, args))
         report(results, first_epoch, args)
         # gone before its process group: a gloo run on torch 2.11 was seen to hang at

@@ -145,8 +145,8 @@ R = [
     (
         "ddp: no barrier",
         "ddp_resnet.py",
-        "    dist.barrier()\n    device = next",
-        "    pass\n    device = next",
+        "    dist.barrier()\n",
+        "    pass\n",
         "tests/test_resnet.py::test_ddp_run_prints_saves_and_reports tests/test_resnet.py::test_resume_ends_where_an_unbroken_run_ends",
     ),
     (
