@@ -25,7 +25,6 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import (
     DataLoader,
-    Dataset,
     DistributedSampler,
     Subset,
     TensorDataset,
@@ -33,7 +32,7 @@ from torch.utils.data import (
 from torchvision import datasets
 
 
-def ddp_setup(local_rank: int, args: argparse.Namespace) -> torch.device:
+def ddp_setup(local_rank, args):
     # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on a CPU
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
@@ -65,12 +64,12 @@ def ddp_setup(local_rank: int, args: argparse.Namespace) -> torch.device:
     return device
 
 
-def print0(*args) -> None:
+def print0(*args):
     if dist.get_rank() == 0:
         print(*args, flush=True)
 
 
-def load_datasets(args: argparse.Namespace) -> tuple[Dataset, Dataset]:
+def load_datasets(args):
     if args.synthetic:
         # random data of FashionMNIST's shapes, the same on every rank (seed 0)
         images = torch.rand(70000, 1, 28, 28)
@@ -86,9 +85,7 @@ def load_datasets(args: argparse.Namespace) -> tuple[Dataset, Dataset]:
     return tuple(TensorDataset(s.data.unsqueeze(1) / 255, s.targets) for s in sets)
 
 
-def prepare_dataloader(
-    dataset: Dataset, batch_size: int, device: torch.device
-) -> DataLoader:
+def prepare_dataloader(dataset, batch_size, device):
     # each rank its own share, shuffled
     sampler = DistributedSampler(dataset)
     # fixed: the tutorial always pins memory, which only helps copies to a GPU
@@ -98,15 +95,13 @@ def prepare_dataloader(
 
 
 class SeqNet(nn.Module):
-    def __init__(
-        self, input_size: int, hidden_size1: int, hidden_size2: int, output_size: int
-    ):
+    def __init__(self, input_size, hidden_size1, hidden_size2, output_size):
         super().__init__()
         self.lin1 = nn.Linear(input_size, hidden_size1)
         self.lin2 = nn.Linear(hidden_size1, hidden_size2)
         self.lin3 = nn.Linear(hidden_size2, output_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x):
         x = torch.flatten(x, 1)
         x = self.lin1(x)
         x = torch.sigmoid(x)
@@ -116,7 +111,7 @@ class SeqNet(nn.Module):
         return self.lin3(x)
 
 
-def train(model, train_loader, loss_function, optimizer, device, args) -> float:
+def train(model, train_loader, loss_function, optimizer, device, args):
     """The tutorial's loop. Returns the last epoch's mean loss over all ranks' steps."""
     # From here on, backward() averages every rank's gradients. The wrapper shares
     # the model's weights: the caller's model is trained too. On a GPU, DDP uses the
@@ -150,9 +145,7 @@ def train(model, train_loader, loss_function, optimizer, device, args) -> float:
 
 
 @torch.no_grad()
-def test(
-    model: nn.Module, test_set: Dataset, device: torch.device, batch_size: int
-) -> dict:
+def test(model, test_set, device, batch_size):
     """Accuracy over the test set, each image once: a DistributedSampler would add
     repeats to even out the shares."""
     # every world_size-th image, from this rank's number on
@@ -172,7 +165,7 @@ def test(
     return dict(test_accuracy=correct / seen, test_correct=correct, test_samples=seen)
 
 
-def main(local_rank: int, args: argparse.Namespace) -> None:
+def main(local_rank, args):
     device = ddp_setup(local_rank, args)
     try:
         # fixed: every rank downloaded at once. Under torchrun, local rank 0 of each
@@ -222,8 +215,8 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
 # A copy may drop the refusals, the OMP_NUM_THREADS setting and the --metrics-out
 # check. It must keep the store (it holds MASTER_PORT while the ranks meet in it)
 # and the two signal lines (Ctrl-C and SIGTERM then stop every rank).
-def launch(main, args: argparse.Namespace) -> None:
-    def stop(*_) -> None:
+def launch(main, args):
+    def stop(*_):
         # SIGTERM to the launcher: passed on to each rank; we end as on Ctrl-C
         for process in mp.active_children():
             process.terminate()
@@ -279,7 +272,7 @@ def launch(main, args: argparse.Namespace) -> None:
         sys.exit(130)
 
 
-def positive(text: str) -> int:
+def positive(text):
     if not text.isdigit() or int(text) == 0:
         raise argparse.ArgumentTypeError(
             f"expected a whole number above 0, got {text!r}"
@@ -287,7 +280,7 @@ def positive(text: str) -> int:
     return int(text)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     gpus = torch.cuda.device_count()
     p.add_argument("--nprocs", type=positive, default=gpus or 2, help="ranks")

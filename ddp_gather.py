@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from torch.distributed.elastic.multiprocessing.errors import record
 
 
-def ddp_setup(local_rank: int, args: argparse.Namespace) -> torch.device:
+def ddp_setup(local_rank, args):
     # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on a CPU
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
@@ -53,7 +53,7 @@ def ddp_setup(local_rank: int, args: argparse.Namespace) -> torch.device:
     return device
 
 
-def main(local_rank: int, args: argparse.Namespace) -> None:
+def main(local_rank, args):
     device = ddp_setup(local_rank, args)
     rank = dist.get_rank()
     world_size = dist.get_world_size()
@@ -93,8 +93,8 @@ def main(local_rank: int, args: argparse.Namespace) -> None:
 # A copy may drop the refusals, the OMP_NUM_THREADS setting and the --metrics-out
 # check. It must keep the store (it holds MASTER_PORT while the ranks meet in it)
 # and the two signal lines (Ctrl-C and SIGTERM then stop every rank).
-def launch(main, args: argparse.Namespace) -> None:
-    def stop(*_) -> None:
+def launch(main, args):
+    def stop(*_):
         # SIGTERM to the launcher: passed on to each rank; we end as on Ctrl-C
         for process in mp.active_children():
             process.terminate()
@@ -150,7 +150,7 @@ def launch(main, args: argparse.Namespace) -> None:
         sys.exit(130)
 
 
-def positive(text: str) -> int:
+def positive(text):
     if not text.isdigit() or int(text) == 0:
         raise argparse.ArgumentTypeError(
             f"expected a whole number above 0, got {text!r}"
@@ -158,7 +158,7 @@ def positive(text: str) -> int:
     return int(text)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     gpus = torch.cuda.device_count()
     p.add_argument("--nprocs", type=positive, default=gpus or 2, help="ranks")

@@ -30,7 +30,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDatas
 from torchvision import datasets, models
 
 
-def ddp_setup(local_rank: int, args: argparse.Namespace) -> torch.device:
+def ddp_setup(local_rank, args):
     # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on a CPU
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
@@ -62,12 +62,12 @@ def ddp_setup(local_rank: int, args: argparse.Namespace) -> torch.device:
     return device
 
 
-def print0(*args) -> None:
+def print0(*args):
     if dist.get_rank() == 0:
         print(*args, flush=True)
 
 
-def load_datasets(args: argparse.Namespace) -> tuple:
+def load_datasets(args):
     """The training set, the validation set (or None), and the number of classes."""
     size = args.image_size
     # ImageNet's mean and standard deviation per colour
@@ -96,12 +96,12 @@ def load_datasets(args: argparse.Namespace) -> tuple:
     return train, val, len(train.classes)
 
 
-def build_model(args: argparse.Namespace, num_classes: int) -> torch.nn.Module:
+def build_model(args, num_classes):
     # fixed: pretrained=False is deprecated; weights=None is the same random init
     return models.get_model(args.arch, weights=None, num_classes=num_classes)
 
 
-def prepare_dataloader(train_set, device: torch.device, args) -> DataLoader:
+def prepare_dataloader(train_set, device, args):
     # each rank its own shuffled share of the data
     sampler = DistributedSampler(train_set, seed=args.seed)
     # The loader workers start from a forkserver that imported torchvision once, not
@@ -123,9 +123,7 @@ def prepare_dataloader(train_set, device: torch.device, args) -> DataLoader:
     )
 
 
-def train(
-    model: DDP, dataloader, optimizer, device, epoch: int, steps: int, args
-) -> dict:
+def train(model, dataloader, optimizer, device, epoch, steps, args):
     """One epoch of at most `steps` steps: its mean loss over every rank's steps, and
     its speed."""
     # fixed: without set_epoch every epoch has the same order
@@ -175,7 +173,7 @@ def train(
 
 
 @torch.no_grad()
-def evaluate(model: DDP, val_set, device, args) -> dict:
+def evaluate(model, val_set, device, args):
     """Top-1 accuracy, each image once: a DistributedSampler would pad the shares to
     equal length with repeated images."""
     # BatchNorm's running statistics: DDP copies rank 0's at each training step, and
@@ -202,7 +200,7 @@ def evaluate(model: DDP, val_set, device, args) -> dict:
     return dict(val_accuracy=correct / seen, val_correct=correct, val_samples=seen)
 
 
-def newest_epoch(args) -> int:
+def newest_epoch(args):
     """N of the newest epoch_N.pt in --ckpt-dir, 0 if there is none."""
     numbers = [
         file.stem.removeprefix("epoch_")
@@ -211,7 +209,7 @@ def newest_epoch(args) -> int:
     return max([int(n) for n in numbers if n.isdigit()], default=0)
 
 
-def save_model(epoch: int, model: DDP, optimizer, args) -> str:
+def save_model(epoch, model, optimizer, args):
     """Atomic: written to a .tmp file, fsynced, then renamed over epoch_N.pt. A
     failure ends this rank with one line; the others then fail in their next
     collective, and the launcher stops them."""
@@ -244,7 +242,7 @@ def save_model(epoch: int, model: DDP, optimizer, args) -> str:
     return str(file)
 
 
-def load_model(epoch: int, model: DDP, optimizer, device, args) -> None:
+def load_model(epoch, model, optimizer, device, args):
     """Every rank loads the file rank 0 saved: on several nodes, --ckpt-dir is a
     folder they share."""
     # Every rank waits here until rank 0 has saved the file. No barrier is needed
@@ -259,7 +257,7 @@ def load_model(epoch: int, model: DDP, optimizer, device, args) -> None:
     optimizer.load_state_dict(ckpt["optimizer_state_dict"])
 
 
-def new_results(model, device, steps) -> dict:
+def new_results(model, device, steps):
     """What runs where, for the start line; train and evaluate add their results."""
     return dict(
         script=Path(__file__).name,
@@ -271,7 +269,7 @@ def new_results(model, device, steps) -> dict:
     )
 
 
-def run_training_process_on_given_gpu(local_rank: int, args: argparse.Namespace):
+def run_training_process_on_given_gpu(local_rank, args):
     device = ddp_setup(local_rank, args)
     # the except at the end: a rank that lost its peer lets the peer be reported
     try:
@@ -341,8 +339,8 @@ def run_training_process_on_given_gpu(local_rank: int, args: argparse.Namespace)
 # A copy may drop the refusals, the OMP_NUM_THREADS setting and the --metrics-out
 # check. It must keep the store (it holds MASTER_PORT while the ranks meet in it)
 # and the two signal lines (Ctrl-C and SIGTERM then stop every rank).
-def launch(main, args: argparse.Namespace) -> None:
-    def stop(*_) -> None:
+def launch(main, args):
+    def stop(*_):
         # SIGTERM to the launcher: passed on to each rank; we end as on Ctrl-C
         for process in mp.active_children():
             process.terminate()
@@ -398,7 +396,7 @@ def launch(main, args: argparse.Namespace) -> None:
         sys.exit(130)
 
 
-def positive(text: str) -> int:
+def positive(text):
     if not text.isdigit() or int(text) == 0:
         raise argparse.ArgumentTypeError(
             f"expected a whole number above 0, got {text!r}"
@@ -406,7 +404,7 @@ def positive(text: str) -> int:
     return int(text)
 
 
-def report(results: dict, first_epoch: int, args) -> None:
+def report(results, first_epoch, args):
     """The done line, and the results in --metrics-out."""
     results["epochs_run"] = max(0, args.epochs + 1 - first_epoch)
     keys = "epochs_run", "final_loss", "val_accuracy", "checkpoint"
@@ -415,7 +413,7 @@ def report(results: dict, first_epoch: int, args) -> None:
         Path(args.metrics_out).write_text(json.dumps(results, indent=1))
 
 
-def log_line(head: str, results: dict, *keys: str) -> str:
+def log_line(head, results, *keys):
     """`head | key value | ...` for those of the keys that results has."""
     parts = [head]
     for key in keys:
@@ -427,7 +425,7 @@ def log_line(head: str, results: dict, *keys: str) -> str:
     return " | ".join(parts)
 
 
-def start_line(results: dict, first_epoch: int, args) -> str:
+def start_line(results, first_epoch, args):
     """`start | key value | ...`, then the epochs to run and the checkpoint they go
     on from."""
     head = log_line("start", results, *results.keys())
@@ -440,7 +438,7 @@ def start_line(results: dict, first_epoch: int, args) -> str:
     return f"{head} | {epochs}"
 
 
-def check_args(args: argparse.Namespace) -> None:
+def check_args(args):
     """Refuse bad input in one line each, before any rank starts."""
     # ImageFolder raises for a missing folder, no class folders, a class without images
     try:
@@ -485,7 +483,7 @@ def check_args(args: argparse.Namespace) -> None:
         sys.exit(f"error: cannot {action}: {why[:300]}")
 
 
-def add_data_and_model_flags(p: argparse.ArgumentParser) -> None:
+def add_data_and_model_flags(p):
     """The flags that only load_datasets and build_model read: a copy that replaces
     those two functions replaces these too."""
     p.add_argument("--data", help="an ImageFolder root; without it, synthetic images")
@@ -495,7 +493,7 @@ def add_data_and_model_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", default="resnet50", choices=models.list_models(models))
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     gpus = torch.cuda.device_count()
     p.add_argument("--nprocs", type=positive, default=gpus or 2, help="ranks")

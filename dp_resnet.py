@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader, Subset, TensorDataset
 from torchvision import datasets, models
 
 
-def load_datasets(args: argparse.Namespace) -> tuple:
+def load_datasets(args):
     """The training set and its number of classes."""
     size = args.image_size
     if not args.data:
@@ -45,7 +45,7 @@ def load_datasets(args: argparse.Namespace) -> tuple:
     return train, len(train.classes)
 
 
-def build_model(args: argparse.Namespace, num_classes: int) -> torch.nn.Module:
+def build_model(args, num_classes):
     # fixed: pretrained=False is deprecated; weights=None is the same random init
     return models.get_model(args.arch, weights=None, num_classes=num_classes)
 
@@ -60,7 +60,7 @@ class Bf16Autocast(torch.nn.Sequential):
             return super().forward(x)
 
 
-def newest_epoch(args) -> int:
+def newest_epoch(args):
     """N of the newest epoch_N.pt in --ckpt-dir, 0 if there is none."""
     numbers = [
         file.stem.removeprefix("epoch_")
@@ -69,7 +69,7 @@ def newest_epoch(args) -> int:
     return max([int(n) for n in numbers if n.isdigit()], default=0)
 
 
-def save_model(epoch: int, net: torch.nn.Module, optimizer, args) -> str:
+def save_model(epoch, net, optimizer, args):
     """Atomic: written to a .tmp file, fsynced, then renamed over epoch_N.pt."""
     # fixed: no file.touch() first: torch.save makes the file
     file = Path(args.ckpt_dir) / f"epoch_{epoch}.pt"
@@ -100,7 +100,7 @@ def save_model(epoch: int, net: torch.nn.Module, optimizer, args) -> str:
     return str(file)
 
 
-def load_model(epoch: int, net: torch.nn.Module, optimizer, args) -> None:
+def load_model(epoch, net, optimizer, args):
     """One process: no barrier needed. --resume's file may be damaged or foreign."""
     file = Path(args.ckpt_dir) / f"epoch_{epoch}.pt"
     try:
@@ -116,7 +116,7 @@ def load_model(epoch: int, net: torch.nn.Module, optimizer, args) -> None:
         sys.exit(f"error: cannot resume from {file}: {why[:300]}")
 
 
-def train(model, dataloader, optimizer, device, epoch: int, steps: int, args) -> dict:
+def train(model, dataloader, optimizer, device, epoch, steps, args):
     # shuffle=True draws each epoch's order from torch's generator. Seeded by the
     # epoch, a resumed run draws what an unbroken run drew: the order, the loader
     # workers' seeds, and the dropout of a model of your own.
@@ -153,7 +153,7 @@ def train(model, dataloader, optimizer, device, epoch: int, steps: int, args) ->
     )
 
 
-def run_training(gpus: int, train_set, num_classes: int, args) -> None:
+def run_training(gpus, train_set, num_classes, args):
     device = torch.device("cuda:0" if gpus else "cpu")
     # fixed: shuffle=False gave every epoch one order. drop_last: BatchNorm cannot
     # train on a 1-image batch.
@@ -201,7 +201,7 @@ def run_training(gpus: int, train_set, num_classes: int, args) -> None:
         Path(args.metrics_out).write_text(json.dumps(results, indent=1))
 
 
-def plan(first_epoch: int, args) -> str:
+def plan(first_epoch, args):
     """The start line's end: the epochs to run, and the checkpoint they go on from."""
     last = Path(args.ckpt_dir) / f"epoch_{first_epoch - 1}.pt"
     if first_epoch > args.epochs:
@@ -216,7 +216,7 @@ def plan(first_epoch: int, args) -> str:
 # A copy may drop the refusals here and in __main__: bad input then ends in a
 # traceback instead of one line. It must keep the SIGTERM line in __main__: a stop
 # then ends a save as Ctrl-C does, and leaves no .tmp file.
-def check_args(args: argparse.Namespace) -> int:
+def check_args(args):
     """Refuse bad input in one line each; return the number of GPUs to use."""
     if int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) > 1:
         sys.exit(
@@ -250,7 +250,7 @@ def check_args(args: argparse.Namespace) -> int:
     return gpus
 
 
-def positive(text: str) -> int:
+def positive(text):
     if not text.isdigit() or int(text) == 0:
         raise argparse.ArgumentTypeError(
             f"expected a whole number above 0, got {text!r}"
@@ -258,7 +258,7 @@ def positive(text: str) -> int:
     return int(text)
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument(
         "--cpu", action="store_true", help="the plain model on CPU even with GPUs"
