@@ -24,7 +24,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 def ddp_setup(local_rank, args):
     # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on a CPU
     cuda = torch.cuda.is_available() and not args.cpu
-    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
     if cuda:
         # before the first collective (a call that every rank makes: all_reduce,
         # broadcast, barrier), or every rank works on cuda:0
@@ -37,16 +37,24 @@ def ddp_setup(local_rank, args):
     # now rather than at the first collective, and barrier() need not guess the GPU
     kwargs = dict(timeout=timeout, device_id=device if cuda else None)
     # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, which
-    # init_process_group's default, env://, reads.
-    if "RANK" not in os.environ:
+    # init_process_group's default, env://, reads. A variable set but empty
+    # (RANK=$(cmd) where cmd failed) counts as unset.
+    if not os.environ.get("RANK"):
         # Started by mp.spawn in launch() instead. launch() keeps a TCPStore (the
         # key-value server where the ranks meet) open on MASTER_PORT, so that no other
-        # run takes the port; this rank connects to it as a client. On one machine the
-        # spawn index is the rank.
+        # run takes the port; this rank connects to it as a client. All ranks run on
+        # this machine, and the spawn index is the rank.
         port = int(os.environ["MASTER_PORT"])
-        store = dist.TCPStore(os.environ["MASTER_ADDR"], port, timeout=timeout)
+        store = dist.TCPStore("127.0.0.1", port, timeout=timeout)
         kwargs.update(store=store, rank=local_rank, world_size=args.nprocs)
-    dist.init_process_group(backend, **kwargs)
+    try:
+        dist.init_process_group(backend, **kwargs)
+    except ValueError as e:
+        # env:// names the variable it lacks: RANK alone is a leftover, say
+        sys.exit(
+            f"error: {e}; RANK is set, so this process joins a group started"
+            " elsewhere: set WORLD_SIZE, MASTER_ADDR and MASTER_PORT too, or unset RANK"
+        )
     # A stop (SIGTERM) now raises KeyboardInterrupt in the rank, as Ctrl-C does, so
     # its clean-up code runs
     signal.signal(signal.SIGTERM, signal.default_int_handler)
@@ -71,19 +79,19 @@ def main(local_rank, args):
     outputs = [None] * world_size
     dist.all_gather_object(outputs, data)
     # all_gather takes same-shaped tensors and no pickle: for large or per-step data
-    tensors = [torch.empty(3, device=device) for _ in range(world_size)]
+    tensors = [torch.empty_like(tensor) for _ in range(world_size)]
     dist.all_gather(tensors, tensor)
     if rank == 0:
         print(outputs)
         print(f"all_gather: {[t.tolist() for t in tensors]}")
         print(f"done | gathered {len(outputs)} objects | backend {dist.get_backend()}")
-    if rank == 0 and args.metrics_out:
-        name = Path(__file__).name
-        results = dict(script=name, world_size=world_size, gathered=outputs)
-        # tensors are written as lists
-        Path(args.metrics_out).write_text(
-            json.dumps(results, default=torch.Tensor.tolist)
-        )
+        if args.metrics_out:
+            results = dict(
+                script=Path(__file__).name, world_size=world_size, gathered=outputs
+            )
+            # tensors are written as lists
+            text = json.dumps(results, default=torch.Tensor.tolist)
+            Path(args.metrics_out).write_text(text)
     dist.destroy_process_group()
 
 
@@ -94,21 +102,17 @@ def main(local_rank, args):
 # check. It must keep the store (it holds MASTER_PORT while the ranks meet in it)
 # and the two signal lines (Ctrl-C and SIGTERM then stop every rank).
 def launch(main, args):
-    def stop(*_):
-        # SIGTERM to the launcher: passed on to each rank; we end as on Ctrl-C
-        for process in mp.active_children():
-            process.terminate()
-        raise KeyboardInterrupt
-
+    # set by torchrun; an empty one counts as unset, as in ddp_setup
+    rank = os.environ.get("RANK")
     try:
         # rank 0 writes --metrics-out at the end: if it cannot, say so now
-        if args.metrics_out and os.environ.get("RANK", "0") == "0":
+        if args.metrics_out and (not rank or rank == "0"):
             Path(args.metrics_out).parent.mkdir(parents=True, exist_ok=True)
             open(args.metrics_out, "a").close()
-        if "RANK" in os.environ:
+        if rank:
             # Started by torchrun (or a pod's RANK): this process is one rank.
             # record() puts an error of this rank into torchrun's summary.
-            local_rank = int(os.environ.get("LOCAL_RANK", 0))
+            local_rank = int(os.environ.get("LOCAL_RANK") or 0)
             return record(main)(local_rank, args)
         # srun -n N sets this: N copies of this launcher, each spawning its own world
         if int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) > 1:
@@ -125,10 +129,18 @@ def launch(main, args):
         threads = max(1, os.cpu_count() // args.nprocs)
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         # fixed: not a hard-coded 12355: MASTER_PORT if set, else a free port. Our
-        # store holds it until the end, so a second run on it is refused at once.
-        addr = os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        port = int(os.environ.get("MASTER_PORT", 0))
-        store = dist.TCPStore(addr, port, is_master=True)
+        # store holds it until the end, so a second run on it is refused at once. It
+        # listens on every address; the ranks reach it at 127.0.0.1 (MASTER_ADDR is
+        # for torchrun's nodes).
+        port = int(os.environ.get("MASTER_PORT") or 0)
+        timeout = timedelta(seconds=args.timeout)
+        try:
+            store = dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timeout)
+        except dist.DistNetworkError as e:
+            # taken, by another run say
+            sys.exit(
+                f"error: {e}; unset MASTER_PORT for a free port, or choose another"
+            )
         os.environ["MASTER_PORT"] = str(store.port)
         # Started as `cmd &`, this launcher ignores Ctrl-C, and the ranks would inherit
         # that. mp.spawn asks the kernel to send each rank SIGINT when the launcher
@@ -148,6 +160,15 @@ def launch(main, args):
     except KeyboardInterrupt:
         # Ctrl-C, which every rank got too, or a stop
         sys.exit(130)
+
+
+def stop(*_):
+    """SIGTERM to the launcher: passed on to each rank, and we end as on Ctrl-C."""
+    # once: a second SIGTERM would cut a rank's clean-up short
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    for process in mp.active_children():
+        process.terminate()
+    raise KeyboardInterrupt
 
 
 def positive(text):

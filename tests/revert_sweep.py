@@ -33,8 +33,8 @@ R = [
     (
         "gather: port 12355",
         "ddp_gather.py",
-        "store = dist.TCPStore(addr, port, is_master=True)",
-        "store = dist.TCPStore(addr, 12355, is_master=True)",
+        'dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timeout)',
+        'dist.TCPStore("127.0.0.1", 12355, is_master=True, timeout=timeout)',
         "tests/test_faults.py::test_busy_default_ports_and_two_runs_at_once",
     ),
     (

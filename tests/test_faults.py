@@ -95,9 +95,11 @@ def test_busy_default_ports_and_two_runs_at_once(tmp_path):
 
 
 def in_use(stderr: str, port: int) -> None:
-    """The one line of a refused MASTER_PORT (torch's words for EADDRINUSE), and nothing else."""
+    """The one line of a refused MASTER_PORT (torch's words for EADDRINUSE), and nothing else;
+    it ends with the fix (before, torch's words alone)."""
     assert stderr.startswith("error: ") and len(stderr.splitlines()) == 1, stderr[-3000:]
     assert "address already in use" in stderr.lower() and str(port) in stderr, stderr
+    assert stderr.endswith("; unset MASTER_PORT for a free port, or choose another\n"), stderr
 
 
 def test_master_port_from_the_environment_is_held_and_a_busy_one_refused(tmp_path):
@@ -138,6 +140,44 @@ def test_master_port_from_the_environment_is_held_and_a_busy_one_refused(tmp_pat
         s.close()
     assert res.returncode == 1
     in_use(res.stderr, port)
+
+
+def test_empty_or_leftover_rendezvous_variables(tmp_path):
+    """A variable set but empty (MASTER_ADDR=$(cmd) where cmd failed) counts as unset; a RANK
+    without the rest of a group is one line that names what is missing. Before: an empty
+    MASTER_ADDR hung the launcher in its own store for minutes, whatever --timeout said (hence
+    the hard timeout here, well under that); an empty MASTER_PORT, a RANK alone and an empty
+    MASTER_ADDR under RANK were tracebacks."""
+    runs = {
+        "empty MASTER_ADDR": {"MASTER_ADDR": ""},
+        "empty MASTER_PORT": {"MASTER_PORT": ""},
+        "empty RANK and WORLD_SIZE": {"RANK": "", "WORLD_SIZE": ""},
+        "RANK alone": {"RANK": "0"},
+        "empty MASTER_ADDR under RANK": {
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "MASTER_ADDR": "",
+            "MASTER_PORT": "29400",
+        },
+    }
+    procs = [start(python("ddp_gather.py", "--cpu", "--timeout", 20), env=e) for e in runs.values()]
+    results = dict(zip(runs, finish_all(procs, timeout=60, check=False), strict=True))
+    for name in ("empty MASTER_ADDR", "empty MASTER_PORT", "empty RANK and WORLD_SIZE"):
+        res = results[name]
+        assert res.returncode == 0, (name, res.stderr[-3000:])
+        assert res.stdout.splitlines()[-1] == "done | gathered 2 objects | backend gloo", name
+    for name, missing in (
+        ("RANK alone", "WORLD_SIZE"),
+        ("empty MASTER_ADDR under RANK", "MASTER_ADDR"),
+    ):
+        res = results[name]
+        assert res.returncode == 1 and len(res.stderr.splitlines()) == 1, (name, res.stderr)
+        assert (
+            f"environment variable {missing} expected, but not set; RANK is set, so" in res.stderr
+        )
+        assert res.stderr.rstrip().endswith(
+            "set WORLD_SIZE, MASTER_ADDR and MASTER_PORT too, or unset RANK"
+        ), res.stderr
 
 
 def test_an_unwritable_metrics_file_is_refused_before_any_rank_starts(read_only):
@@ -403,6 +443,43 @@ def test_a_stop_mid_epoch_then_ctrl_c_during_a_save_then_resume(how, tmp_path):
     done = saved(folder)  # the save under way is either whole or gone; the newest one loads
     assert done in ([1], [1, 2])  # (--resume from it: test_resnet.py, and after a full disk)
     torch.load(folder / f"epoch_{done[-1]}.pt", weights_only=True)
+
+
+def stop_twice(proc) -> None:
+    """`kill $pid; sleep 0.3; kill $pid`, as an impatient user or a supervisor does: the second
+    SIGTERM comes while the launcher still waits for its ranks."""
+    os.kill(proc.pid, signal.SIGTERM)
+    time.sleep(0.3)
+    assert proc.poll() is None, "the launcher ended before the second SIGTERM"
+    os.kill(proc.pid, signal.SIGTERM)
+
+
+def test_a_second_sigterm_does_nothing_more(tmp_path):
+    """The launcher passes the first SIGTERM on to each rank and ignores the second: no
+    traceback, no second signal to cut a rank's clean-up short, and exit 130 once the ranks
+    have ended; during an epoch, and during a save. Before, the second raised in the
+    launcher's exit handler ("Exception ignored in atexit callback" and a traceback) and
+    reached each rank again."""
+    folder = tmp_path / "ckpt"
+    flags = ["--epochs", 3, "--ckpt-dir", folder]
+    proc = start(command("spawn", *flags))
+    for _ in lines(proc, TIMEOUT, until=lambda line: line.startswith("epoch 2/3 | step")):
+        pass
+    stop_twice(proc)
+    res = finish(proc, timeout=30, check=False)  # also fails if any process is left
+    interrupted(res, "spawn")
+    assert "Exception ignored" not in res.stderr, res.stderr[-3000:]
+    assert saved(folder) == [1]
+    proc = start(command("spawn", *flags, "--resume"))  # now while a checkpoint is written
+    deadline = time.monotonic() + TIMEOUT
+    while not any(n.endswith(".tmp") for n in os.listdir(folder)):
+        assert time.monotonic() < deadline and proc.poll() is None, "no save was ever seen"
+        time.sleep(0.001)
+    stop_twice(proc)
+    res = finish(proc, timeout=30, check=False)
+    interrupted(res, "spawn")
+    assert "Exception ignored" not in res.stderr, res.stderr[-3000:]
+    assert saved(folder) in ([1], [1, 2])  # the save under way is whole or gone, no .tmp
 
 
 @pytest.fixture
