@@ -100,7 +100,11 @@ def load_datasets(args):
         val = datasets.ImageFolder(args.val_data, transform=preprocess)
         # check_args prints this after "--val-data DIR: "
         if val.classes != train.classes:
-            raise ValueError("it holds other classes than the training data")
+            # name (up to 10 of) those in one of the two only
+            raise ValueError(
+                "classes in it or in the training data, not both:"
+                f" {sorted(set(val.classes) ^ set(train.classes))[:10]}"
+            )
     return train, val, len(train.classes)
 
 
@@ -461,6 +465,8 @@ def start_line(results, first_epoch, args):
 
 def check_args(args):
     """Refuse bad input in one line each, before any rank starts."""
+    if args.workers < 0:
+        sys.exit(f"error: --workers {args.workers}: use 0 or more")
     # ImageFolder raises for a missing folder, no class folders, a class without images
     try:
         train_set, _, num_classes = load_datasets(args)
@@ -474,13 +480,34 @@ def check_args(args):
         except OSError:
             flag = f"--data {args.data}: "
         sys.exit(f"error: {flag}{e}")
+    # the ranks: --nprocs spawned here, or the WORLD_SIZE of a group joined (RANK;
+    # ddp_setup refuses a RANK without a WORLD_SIZE)
+    processes = args.nprocs
+    if os.environ.get("RANK"):
+        processes = int(os.environ.get("WORLD_SIZE") or 1)
     # drop_last: fewer images than one global batch would leave no step at all
-    processes = int(os.environ.get("WORLD_SIZE", args.nprocs))
     if len(train_set) < args.batch_size * processes:
         sys.exit(
-            f"error: {len(train_set)} images,"
-            f" too few for --batch-size {args.batch_size}"
+            f"error: {len(train_set)} images, too few for"
+            f" --batch-size {args.batch_size} x {processes} processes"
         )
+    # BatchNorm cannot train on one value per channel, which a ResNet's last block
+    # has with 1 image at 32 px (at 224 px, 1 image trains): ask the model.
+    if args.batch_size == 1:
+        try:
+            # the first training image, as a batch of 1
+            build_model(args, num_classes)(train_set[0][0].unsqueeze(0))
+        except ValueError as e:
+            sys.exit(
+                f"error: --batch-size 1 gives each rank 1 image, too few at"
+                f" --image-size {args.image_size} ({e}); use a larger --batch-size"
+                " or --image-size"
+            )
+    check_ckpt_dir(args, num_classes)
+
+
+def check_ckpt_dir(args, num_classes):
+    """Refuse another run's checkpoints, and a folder or checkpoint we cannot use."""
     newest = newest_epoch(args)
     file = Path(args.ckpt_dir) / f"epoch_{newest}.pt"
     # another run's checkpoints: a later --resume would go on from them
@@ -560,9 +587,10 @@ def parse_args():
 
 if __name__ == "__main__":
     args = parse_args()
-    # One process a node checks the input and says why it refuses: under torchrun the
-    # one with LOCAL_RANK 0. The others wait for rank 0 in ddp_setup; if it refuses,
-    # torchrun stops them.
-    if os.environ.get("LOCAL_RANK", "0") == "0":
+    # One process checks the input and says why it refuses: the launcher where it
+    # spawns the ranks (RANK unset; a leftover LOCAL_RANK does not count), or under
+    # torchrun the one with LOCAL_RANK 0 on each node. The others wait for rank 0 in
+    # ddp_setup; if it refuses, torchrun stops them.
+    if not os.environ.get("RANK") or os.environ.get("LOCAL_RANK", "0") == "0":
         check_args(args)
     launch(run_training_process_on_given_gpu, args)

@@ -217,19 +217,13 @@ def plan(first_epoch, args):
 # traceback instead of one line. It must keep the SIGTERM line in __main__: a stop
 # then ends a save as Ctrl-C does, and leaves no .tmp file.
 def check_args(args):
-    """Refuse bad input in one line each; return the number of GPUs to use."""
+    """Refuse bad input in one line each."""
     if int(os.environ.get("SLURM_STEP_NUM_TASKS", 1)) > 1:
         sys.exit(
             "error: srun -n N starts N separate trainings; DataParallel is one process"
         )
-    # CUDA_VISIBLE_DEVICES chooses them
-    gpus = 0 if args.cpu else torch.cuda.device_count()
-    # DataParallel splits the batch, and BatchNorm needs 2 images
-    if args.batch_size < 2 * gpus:
-        sys.exit(
-            f"error: --batch-size {args.batch_size} for {gpus} GPUs:"
-            " use 2 or more a GPU"
-        )
+    if args.workers < 0:
+        sys.exit(f"error: --workers {args.workers}: use 0 or more")
     newest = newest_epoch(args)
     # another run's checkpoints: a later --resume would go on from them
     if newest and not args.resume:
@@ -247,7 +241,6 @@ def check_args(args):
             open(args.metrics_out, "a").close()
     except OSError as e:
         sys.exit(f"error: cannot make {e.filename}: {e.strerror}")
-    return gpus
 
 
 def positive(text):
@@ -298,7 +291,9 @@ def parse_args():
 
 if __name__ == "__main__":
     args = parse_args()
-    gpus = check_args(args)
+    check_args(args)
+    # CUDA_VISIBLE_DEVICES chooses them
+    gpus = 0 if args.cpu else torch.cuda.device_count()
     # the same synthetic images and initial weights in every run
     torch.manual_seed(0)
     # ImageFolder raises for a missing folder, no class folders, a class without images
@@ -312,6 +307,20 @@ if __name__ == "__main__":
             f"error: {len(train_set)} images,"
             f" too few for --batch-size {args.batch_size}"
         )
+    # DataParallel splits each batch as Tensor.chunk does: the last piece is the
+    # smallest. BatchNorm cannot train on one value per channel, which a ResNet's last
+    # block has with 1 image at 32 px (at 224 px, 1 image trains): ask the model.
+    pieces = torch.empty(args.batch_size).chunk(max(gpus, 1))
+    if len(pieces[-1]) == 1:
+        try:
+            # the first training image, as a batch of 1
+            build_model(args, num_classes)(train_set[0][0].unsqueeze(0))
+        except ValueError as e:
+            sys.exit(
+                f"error: --batch-size {args.batch_size} leaves a device 1 image, too"
+                f" few at --image-size {args.image_size} ({e}); use a larger"
+                " --batch-size or --image-size"
+            )
     # SIGTERM (a stop) ends a save as Ctrl-C does: its .tmp file is removed
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:

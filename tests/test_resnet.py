@@ -14,6 +14,7 @@ from conftest import (
     DP,
     ONE_THREAD,
     RESNET,
+    ROOT,
     finish,
     last_line,
     metrics,
@@ -114,6 +115,75 @@ def test_resume_ends_where_an_unbroken_run_ends(uninterrupted, tmp_path):
         f"| steps 2 | nothing to train: {tmp_path / 'epoch_3.pt'} reached --epochs 3"
     )
     assert res.stdout.splitlines()[-1] == "done | epochs_run 0"
+
+
+def test_a_leftover_local_rank_still_checks_and_resumes(uninterrupted, tmp_path):
+    """LOCAL_RANK=1 left in the shell, RANK unset: the script spawns its own ranks, so its
+    launcher checks the input. Before, it skipped the checks (it asked LOCAL_RANK, not whether
+    it spawns): a fresh run into a used folder was not refused, and a bad --data was a rank's
+    traceback. --resume goes on from the newest checkpoint and leaves the older ones as they
+    were, to the byte."""
+    leftover = {**ONE_THREAD, "LOCAL_RANK": "1"}
+    for name in ("epoch_1.pt", "epoch_2.pt"):  # as if stopped after epoch 2
+        shutil.copy(uninterrupted[0] / name, tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    flags = ["--epochs", 3, "--ckpt-dir", tmp_path]
+    procs = [  # at once: the two refusals stop before any rank starts
+        start(command("ddp_resnet.py", *flags, "--resume"), env=leftover),
+        start(command("ddp_resnet.py", *flags), env=leftover),
+        start(command("ddp_resnet.py", "--data", tmp_path / "missing"), env=leftover),
+    ]
+    resumed, fresh, bad_data = (finish(p, TIMEOUT, check=False) for p in procs)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert resumed.stdout.splitlines()[0].endswith(
+        f"| steps 2 | resuming from {tmp_path / 'epoch_2.pt'} | epochs 3-3"
+    )
+    assert {p.name: p.read_bytes() for p in tmp_path.glob("epoch_[12].pt")} == before
+    same_weights(uninterrupted[0] / "epoch_3.pt", tmp_path / "epoch_3.pt")
+    assert fresh.returncode == 1 and last_line(fresh.stderr).startswith(
+        f"error: {tmp_path / 'epoch_2.pt'} exists: add --resume"
+    ), fresh.stderr[-3000:]
+    assert bad_data.returncode == 1 and last_line(bad_data.stderr).startswith(
+        f"error: --data {tmp_path / 'missing'}: [Errno 2]"
+    ), bad_data.stderr[-3000:]
+
+
+OWN_BATCHNORM1D = """def build_model(args, num_classes):
+    # a BatchNorm over features: one value per channel in any batch of 1
+    return torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 3), torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+        torch.nn.BatchNorm1d(4), torch.nn.Linear(4, num_classes),
+    )
+"""
+
+
+def test_a_batch_the_model_cannot_train_on_is_one_line(tmp_path):
+    """BatchNorm cannot train on one value per channel: resnet18 at 32 px with 1 image a rank
+    (or a DataParallel process) has that in its last block. Before, it was BatchNorm's traceback
+    after the ranks had started. The script asks the model rather than a rule: at 224 px 1 image
+    trains, and a copy's own model with a BatchNorm over features fails at any size."""
+    text = (ROOT / "ddp_resnet.py").read_text()
+    own = text[: text.index("def build_model")] + OWN_BATCHNORM1D
+    own += text[text.index("\n\n\n", text.index("def build_model")) :]
+    (tmp_path / "own.py").write_text(own)
+    one = ["--batch-size", 1, "--epochs", 1, "--max-steps", 1]
+    wide = ["--cpu", "--arch", "resnet18", "--image-size", 224, *one]
+    procs = [  # at once: the refusals stop before any rank starts
+        start(command("ddp_resnet.py", *one, "--ckpt-dir", tmp_path / "a")),
+        start(command("dp_resnet.py", *one, "--ckpt-dir", tmp_path / "b")),
+        start(python(tmp_path / "own.py", *RESNET, *one, "--image-size", 224)),
+        start(python("ddp_resnet.py", *wide, "--nprocs", 2, "--ckpt-dir", tmp_path / "c")),
+        start(python("dp_resnet.py", *wide, "--ckpt-dir", tmp_path / "d")),
+    ]
+    results = [finish(p, TIMEOUT, check=False) for p in procs]
+    for res in results[:3]:
+        assert res.returncode == 1 and "start |" not in res.stdout, res.stderr[-3000:]
+        line = last_line(res.stderr)
+        assert re.match(r"error: --batch-size 1 .* too few at --image-size (32|224) ", line), line
+        assert "Expected more than 1 value per channel when training" in line, line
+    for res in results[3:]:
+        assert res.returncode == 0, res.stderr[-3000:]
+        assert res.stdout.splitlines()[-1].startswith("done | epochs_run 1")
 
 
 @pytest.mark.parametrize("script", ["ddp_resnet.py", "dp_resnet.py"])
@@ -251,7 +321,16 @@ def test_bad_input_is_one_line_and_nothing_starts(script, tmp_path, read_only):
             else f"error: {why}: '{folder / 'm.json'}'",
         ),
         (["--batch-size", 13000], 1, "error: 12800 images, too few for --batch-size 13000"),
+        (["--workers", -1], 1, "error: --workers -1: use 0 or more"),  # was a rank's traceback
     ]
+    if script == "ddp_resnet.py":  # one batch fits, one a rank (2 ranks) does not
+        cases.append(
+            (
+                ["--batch-size", 6401],
+                1,
+                "error: 12800 images, too few for --batch-size 6401 x 2 processes",
+            )
+        )
     procs = [
         start(command(script, "--ckpt-dir", tmp_path / "ck", *f)) for f, _, _ in cases
     ]  # at once, and a fresh run in a read-only current folder: it cannot make its --ckpt-dir
