@@ -139,11 +139,13 @@ def train(model, train_loader, loss_function, optimizer, device, args):
             loss = loss_function(model(images), labels)
             loss.backward()
             optimizer.step()
-            running_loss += loss.detach()
-        # fixed: the tutorial prints rank 0's loss alone; this is the mean of every
-        # rank's steps
+            # weighed by its images, so that a short last batch counts for less
+            running_loss += loss.detach() * len(labels)
+        # fixed: the tutorial prints rank 0's loss alone; this is the mean over every
+        # rank's images (DistributedSampler gives each rank len(sampler) of them)
         dist.all_reduce(running_loss)
-        average_loss = running_loss.item() / len(train_loader) / dist.get_world_size()
+        images_seen = len(train_loader.sampler) * dist.get_world_size()
+        average_loss = running_loss.item() / images_seen
         # len(train_loader.dataset): the whole training set, every rank's share
         rate = len(train_loader.dataset) / (time.monotonic() - began)
         print0(
@@ -327,8 +329,11 @@ def parse_args():
 if __name__ == "__main__":
     args = parse_args()
     # fixed: the tutorial downloads in every rank at once. One process a machine reads
-    # what is there and downloads what is not; the ranks wait for it in a barrier.
-    if not args.synthetic and os.environ.get("LOCAL_RANK", "0") == "0":
+    # what is there and downloads what is not: the launcher where it spawns the ranks
+    # (RANK unset; a leftover LOCAL_RANK does not count), or under torchrun the one
+    # with LOCAL_RANK 0. The ranks wait for it in a barrier.
+    spawn = not os.environ.get("RANK")
+    if not args.synthetic and (spawn or os.environ.get("LOCAL_RANK", "0") == "0"):
         try:
             # reads what is there, downloads what is not
             for is_train in (True, False):

@@ -72,7 +72,32 @@ def test_bad_data_is_one_line_before_any_rank_starts(tmp_path):
         (["--epochs", 0], 2, "ddp_fashionmnist.py: error: argument --epochs: expected a whole"),
     ]
     procs = [start(python("ddp_fashionmnist.py", "--cpu", *flags)) for flags, _, _ in cases]
+    # A LOCAL_RANK left in the shell, RANK unset: the launcher still spawns the ranks, so it
+    # still reads (or downloads) the data first. Before, it left that to a torchrun process of
+    # LOCAL_RANK 0 that did not exist, and each rank failed with a traceback.
+    flags = ["--data", tmp_path / "file"]
+    procs.append(start(python("ddp_fashionmnist.py", "--cpu", *flags), env={"LOCAL_RANK": "1"}))
+    cases.append((flags, 1, f"error: FashionMNIST in {tmp_path / 'file'}: "))
     for proc, (_, code, line) in zip(procs, cases, strict=True):
         res = finish(proc, timeout=120, check=False)
         assert res.returncode == code and last_line(res.stderr).startswith(line), res.stderr
         assert "start |" not in res.stdout
+
+
+def test_the_loss_is_the_mean_over_images_not_over_batches(tmp_path):
+    """At --lr 0 the model never changes, so the epoch's mean loss is the same for any batch
+    size. Before, it was the mean of the batches' means: a short last batch of 1 image (batch
+    29999 of a rank's 30000) weighed as much as the full one, and the loss moved by 20%."""
+    outs = {size: tmp_path / f"{size}.json" for size in (100, 29999)}
+    procs = [
+        start(
+            python(
+                "ddp_fashionmnist.py", *SMOKE, "--lr", 0, "--batch-size", size, "--metrics-out", out
+            )
+        )
+        for size, out in outs.items()
+    ]
+    for proc in procs:
+        finish(proc, timeout=120)
+    full, short = (metrics(out)["final_loss"] for out in outs.values())
+    assert short == pytest.approx(full, rel=1e-4)
