@@ -51,23 +51,25 @@ def ddp_setup(local_rank, args):
     # init_process_group's default, env://, reads. A variable set but empty
     # (RANK=$(cmd) where cmd failed) counts as unset.
     if not os.environ.get("RANK"):
-        # Started by mp.spawn in launch() instead. launch() keeps a TCPStore (the
+        # fixed: the tutorial meets on a hard-coded MASTER_PORT that any other run can
+        # take. Started by mp.spawn in launch() instead: launch() keeps a TCPStore (the
         # key-value server where the ranks meet) open on MASTER_PORT, so that no other
-        # run takes the port; this rank connects to it as a client. All ranks run on
-        # this machine, and the spawn index is the rank.
+        # run takes the port, and this rank connects to it as a client. All ranks run
+        # on this machine, and the spawn index is the rank.
         port = int(os.environ["MASTER_PORT"])
         store = dist.TCPStore("127.0.0.1", port, timeout=timeout)
         kwargs.update(store=store, rank=local_rank, world_size=args.nprocs)
     try:
         dist.init_process_group(backend, **kwargs)
     except ValueError as e:
-        # env:// names the variable it lacks: RANK alone is a leftover, say
+        # RANK set without the other three (a leftover `export RANK=0`, say): env://
+        # names the one it lacks, and we add what RANK means
         sys.exit(
             f"error: {e}; RANK is set, so this process joins a group started"
             " elsewhere: set WORLD_SIZE, MASTER_ADDR and MASTER_PORT too, or unset RANK"
         )
     # A stop (SIGTERM) now raises KeyboardInterrupt in the rank, as Ctrl-C does, so
-    # its clean-up code runs
+    # clean-up code runs: `finally:` blocks, such as one that removes a temporary file
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     return device
 
@@ -120,7 +122,7 @@ class SeqNet(nn.Module):
 
 
 def train(model, train_loader, loss_function, optimizer, device, args):
-    """The tutorial's loop. Returns the last epoch's mean loss over all ranks' steps."""
+    """The tutorial's loop. Returns the last epoch's mean loss over every image."""
     # From here on, backward() averages every rank's gradients. The wrapper shares
     # the model's weights: the caller's model is trained too. On a GPU, DDP uses the
     # device set in ddp_setup (the tutorial's device_ids).
@@ -139,7 +141,7 @@ def train(model, train_loader, loss_function, optimizer, device, args):
             loss = loss_function(model(images), labels)
             loss.backward()
             optimizer.step()
-            # weighed by its images, so that a short last batch counts for less
+            # weighted by its images, so that a short last batch counts for less
             running_loss += loss.detach() * len(labels)
         # fixed: the tutorial prints rank 0's loss alone; this is the mean over every
         # rank's images (DistributedSampler gives each rank len(sampler) of them)
@@ -253,9 +255,10 @@ def launch(main, args):
         threads = max(1, os.cpu_count() // args.nprocs)
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         # fixed: not a hard-coded 12355: MASTER_PORT if set, else a free port. Our
-        # store holds it until the end, so a second run on it is refused at once. It
-        # listens on every address; the ranks reach it at 127.0.0.1 (MASTER_ADDR is
-        # for torchrun's nodes).
+        # store holds it until the end, so a second run on it is refused at once. The
+        # store listens on all of this machine's addresses, and the ranks, all on this
+        # machine, reach it at 127.0.0.1, the loopback address (MASTER_ADDR is for
+        # torchrun's several nodes).
         port = int(os.environ.get("MASTER_PORT") or 0)
         timeout = timedelta(seconds=args.timeout)
         try:
@@ -329,9 +332,9 @@ def parse_args():
 if __name__ == "__main__":
     args = parse_args()
     # fixed: the tutorial downloads in every rank at once. One process a machine reads
-    # what is there and downloads what is not: the launcher where it spawns the ranks
-    # (RANK unset; a leftover LOCAL_RANK does not count), or under torchrun the one
-    # with LOCAL_RANK 0. The ranks wait for it in a barrier.
+    # what is there and downloads what is not: where RANK is unset, this one, which
+    # spawns the ranks (whatever LOCAL_RANK a shell left behind); under torchrun, the
+    # one with LOCAL_RANK 0. The ranks wait for it in a barrier.
     spawn = not os.environ.get("RANK")
     if not args.synthetic and (spawn or os.environ.get("LOCAL_RANK", "0") == "0"):
         try:

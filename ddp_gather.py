@@ -40,23 +40,25 @@ def ddp_setup(local_rank, args):
     # init_process_group's default, env://, reads. A variable set but empty
     # (RANK=$(cmd) where cmd failed) counts as unset.
     if not os.environ.get("RANK"):
-        # Started by mp.spawn in launch() instead. launch() keeps a TCPStore (the
+        # fixed: the tutorial meets on a hard-coded MASTER_PORT that any other run can
+        # take. Started by mp.spawn in launch() instead: launch() keeps a TCPStore (the
         # key-value server where the ranks meet) open on MASTER_PORT, so that no other
-        # run takes the port; this rank connects to it as a client. All ranks run on
-        # this machine, and the spawn index is the rank.
+        # run takes the port, and this rank connects to it as a client. All ranks run
+        # on this machine, and the spawn index is the rank.
         port = int(os.environ["MASTER_PORT"])
         store = dist.TCPStore("127.0.0.1", port, timeout=timeout)
         kwargs.update(store=store, rank=local_rank, world_size=args.nprocs)
     try:
         dist.init_process_group(backend, **kwargs)
     except ValueError as e:
-        # env:// names the variable it lacks: RANK alone is a leftover, say
+        # RANK set without the other three (a leftover `export RANK=0`, say): env://
+        # names the one it lacks, and we add what RANK means
         sys.exit(
             f"error: {e}; RANK is set, so this process joins a group started"
             " elsewhere: set WORLD_SIZE, MASTER_ADDR and MASTER_PORT too, or unset RANK"
         )
     # A stop (SIGTERM) now raises KeyboardInterrupt in the rank, as Ctrl-C does, so
-    # its clean-up code runs
+    # clean-up code runs: `finally:` blocks, such as one that removes a temporary file
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     return device
 
@@ -129,9 +131,10 @@ def launch(main, args):
         threads = max(1, os.cpu_count() // args.nprocs)
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         # fixed: not a hard-coded 12355: MASTER_PORT if set, else a free port. Our
-        # store holds it until the end, so a second run on it is refused at once. It
-        # listens on every address; the ranks reach it at 127.0.0.1 (MASTER_ADDR is
-        # for torchrun's nodes).
+        # store holds it until the end, so a second run on it is refused at once. The
+        # store listens on all of this machine's addresses, and the ranks, all on this
+        # machine, reach it at 127.0.0.1, the loopback address (MASTER_ADDR is for
+        # torchrun's several nodes).
         port = int(os.environ.get("MASTER_PORT") or 0)
         timeout = timedelta(seconds=args.timeout)
         try:

@@ -49,23 +49,25 @@ def ddp_setup(local_rank, args):
     # init_process_group's default, env://, reads. A variable set but empty
     # (RANK=$(cmd) where cmd failed) counts as unset.
     if not os.environ.get("RANK"):
-        # Started by mp.spawn in launch() instead. launch() keeps a TCPStore (the
+        # fixed: the tutorial meets on a hard-coded MASTER_PORT that any other run can
+        # take. Started by mp.spawn in launch() instead: launch() keeps a TCPStore (the
         # key-value server where the ranks meet) open on MASTER_PORT, so that no other
-        # run takes the port; this rank connects to it as a client. All ranks run on
-        # this machine, and the spawn index is the rank.
+        # run takes the port, and this rank connects to it as a client. All ranks run
+        # on this machine, and the spawn index is the rank.
         port = int(os.environ["MASTER_PORT"])
         store = dist.TCPStore("127.0.0.1", port, timeout=timeout)
         kwargs.update(store=store, rank=local_rank, world_size=args.nprocs)
     try:
         dist.init_process_group(backend, **kwargs)
     except ValueError as e:
-        # env:// names the variable it lacks: RANK alone is a leftover, say
+        # RANK set without the other three (a leftover `export RANK=0`, say): env://
+        # names the one it lacks, and we add what RANK means
         sys.exit(
             f"error: {e}; RANK is set, so this process joins a group started"
             " elsewhere: set WORLD_SIZE, MASTER_ADDR and MASTER_PORT too, or unset RANK"
         )
     # A stop (SIGTERM) now raises KeyboardInterrupt in the rank, as Ctrl-C does, so
-    # its clean-up code runs
+    # clean-up code runs: `finally:` blocks, such as one that removes a temporary file
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     return device
 
@@ -98,9 +100,8 @@ def load_datasets(args):
     val = None
     if args.val_data:
         val = datasets.ImageFolder(args.val_data, transform=preprocess)
-        # check_args prints this after "--val-data DIR: "
+        # check_args puts "--val-data DIR: " before this, which names up to 10 classes
         if val.classes != train.classes:
-            # name (up to 10 of) those in one of the two only
             raise ValueError(
                 "classes in it or in the training data, not both:"
                 f" {sorted(set(val.classes) ^ set(train.classes))[:10]}"
@@ -140,7 +141,8 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
     its speed."""
     # fixed: without set_epoch every epoch has the same order
     dataloader.sampler.set_epoch(epoch)
-    # One seed per rank and epoch, the same in every run: a resumed run draws what an
+    # One seed per rank and epoch (each rank draws its own dropout and augmentation),
+    # the same in every run: a resumed run draws what an
     # unbroken run drew (the loader workers' seeds, and the dropout and random
     # augmentation of a model or data of your own). hash() of ints is the same in
     # every process, and manual_seed takes any 64-bit number.
@@ -283,7 +285,8 @@ def new_results(model, device, steps):
 
 def run_training_process_on_given_gpu(local_rank, args):
     device = ddp_setup(local_rank, args)
-    # the except at the end: a rank that lost its peer lets the peer be reported
+    # the except at the end: when a peer dies, this rank waits a moment before it
+    # fails, so that the launcher reports the peer, the cause
     try:
         # --seed: the same synthetic images on every rank, and the same initial weights
         # in every run. (The other ranks' initial weights do not matter: DDP replaces
@@ -379,9 +382,10 @@ def launch(main, args):
         threads = max(1, os.cpu_count() // args.nprocs)
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         # fixed: not a hard-coded 12355: MASTER_PORT if set, else a free port. Our
-        # store holds it until the end, so a second run on it is refused at once. It
-        # listens on every address; the ranks reach it at 127.0.0.1 (MASTER_ADDR is
-        # for torchrun's nodes).
+        # store holds it until the end, so a second run on it is refused at once. The
+        # store listens on all of this machine's addresses, and the ranks, all on this
+        # machine, reach it at 127.0.0.1, the loopback address (MASTER_ADDR is for
+        # torchrun's several nodes).
         port = int(os.environ.get("MASTER_PORT") or 0)
         timeout = timedelta(seconds=args.timeout)
         try:
@@ -587,10 +591,11 @@ def parse_args():
 
 if __name__ == "__main__":
     args = parse_args()
-    # One process checks the input and says why it refuses: the launcher where it
-    # spawns the ranks (RANK unset; a leftover LOCAL_RANK does not count), or under
-    # torchrun the one with LOCAL_RANK 0 on each node. The others wait for rank 0 in
-    # ddp_setup; if it refuses, torchrun stops them.
+    # Which process checks the input, and says why it refuses? Where RANK is unset,
+    # this process spawns the ranks and checks before it does, whatever LOCAL_RANK a
+    # shell left behind. Under torchrun (RANK set), one process a node checks: the one
+    # with LOCAL_RANK 0. The others meanwhile wait for rank 0 in ddp_setup; if it
+    # refuses, torchrun stops them.
     if not os.environ.get("RANK") or os.environ.get("LOCAL_RANK", "0") == "0":
         check_args(args)
     launch(run_training_process_on_given_gpu, args)

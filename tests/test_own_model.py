@@ -20,14 +20,14 @@ from conftest import (
     start,
 )
 
-OWN = '''def load_datasets(args: argparse.Namespace) -> tuple:
+OWN = '''def load_datasets(args):
     """Random crops and flips of the training images, plain validation images, two classes."""
     augment = T.Compose([T.RandomCrop(16, padding=2), T.RandomHorizontalFlip(), T.ToTensor()])
     train = datasets.FakeData(60, (3, 16, 16), 2, transform=augment)
     return train, datasets.FakeData(10, (3, 16, 16), 2, T.ToTensor(), random_offset=60), 2
 
 
-def build_model(args: argparse.Namespace, num_classes: int) -> torch.nn.Module:
+def build_model(args, num_classes):
     return torch.nn.Sequential(
         torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8), torch.nn.ReLU(), torch.nn.Dropout(0.5),
         torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(8, num_classes),
@@ -130,11 +130,11 @@ def test_a_copy_without_the_checks_still_resumes(uninterrupted, tmp_path):
     same_weights(uninterrupted[0] / "epoch_2.pt", folder / "epoch_2.pt")
 
 
-MISSING = """def load_datasets(args: argparse.Namespace) -> tuple:
+MISSING = """def load_datasets(args):
     return torch.load("/nonexistent/my_images.pt"), None, 2
 
 
-def build_model(args: argparse.Namespace, num_classes: int) -> torch.nn.Module:
+def build_model(args, num_classes):
     return torch.nn.Linear(4, num_classes)
 """
 
