@@ -33,6 +33,9 @@ from torchvision import datasets
 
 
 def ddp_setup(local_rank, args):
+    """Join the process group. local_rank is this process's number on its machine (its
+    GPU); dist.get_rank() is its number in the whole group. On one machine they are
+    the same; on several, torchrun numbers the ranks across machines."""
     # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on a CPU
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
@@ -221,9 +224,10 @@ def main(local_rank, args):
         raise
 
 
-# --- launching and checks (the same in every DDP script of this collection) ---
+# --- launching and checks (the same in the three DDP scripts of this repository) ---
 # launch() runs the per-process function once in each rank. Under torchrun this
-# process is one rank already; otherwise it spawns --nprocs ranks here.
+# process is one rank already; otherwise it spawns --nprocs ranks here, as the
+# tutorial's mp.spawn does.
 # A copy may drop the refusals, the OMP_NUM_THREADS setting and the --metrics-out
 # check. It must keep the store (it holds MASTER_PORT while the ranks meet in it)
 # and the two signal lines (Ctrl-C and SIGTERM then stop every rank).

@@ -1,6 +1,7 @@
 """DDP ResNet (AIME part 2, the DDP tutorial's checkpoints): rank 0 saves, all reload.
 
     python ddp_resnet.py          # one process per GPU, or 2 CPU processes
+    # or let torchrun start the processes (also on several machines; see launch()):
     torchrun --standalone --nproc-per-node=2 ddp_resnet.py --cpu --arch resnet18
     # a run of seconds on a CPU:
     python ddp_resnet.py --cpu --arch resnet18 --image-size 32 --epochs 2 --max-steps 3
@@ -31,6 +32,9 @@ from torchvision import datasets, models
 
 
 def ddp_setup(local_rank, args):
+    """Join the process group. local_rank is this process's number on its machine (its
+    GPU); dist.get_rank() is its number in the whole group. On one machine they are
+    the same; on several, torchrun numbers the ranks across machines."""
     # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on a CPU
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
@@ -91,8 +95,8 @@ def load_datasets(args):
         # fixed: the tutorial's ImageFolder(root=, ...) is a syntax error
         train = datasets.ImageFolder(args.data, transform=preprocess)
     else:
-        # 12,800 random images in 256 classes: one image per class, 50 times over.
-        # A model can learn them, and there is nothing to decode.
+        # 12,800 random images in 256 classes, one a class 50 times over: learnable,
+        # nothing to decode, and the same in every rank (each seeds with --seed first)
         images = TensorDataset(torch.randn(256, 3, size, size), torch.arange(256))
         train = Subset(images, [i % 256 for i in range(12800)])
         # the class names, as an ImageFolder has them
@@ -121,7 +125,8 @@ def prepare_dataloader(train_set, device, args):
     # as forks of this rank: a rank runs gloo's (or NCCL's) threads, and a child
     # forked from a threaded process can hang on a lock one of them held. DataLoader
     # uses the default start method; force=True is safe, as a rank's only children
-    # are its loader workers.
+    # are its loader workers. Not a part of DDP: it matters only with --workers above
+    # 0 (the default where there are GPUs).
     mp.set_forkserver_preload(["torchvision"])
     mp.set_start_method("forkserver", force=True)
     return DataLoader(
@@ -190,8 +195,9 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
 def evaluate(model, val_set, device, args):
     """Top-1 accuracy, each image once: a DistributedSampler would pad the shares to
     equal length with repeated images."""
-    # BatchNorm's running statistics: DDP copies rank 0's at each training step, and
-    # then each rank's own batch updates them. Score with rank 0's, the saved ones (the
+    # BatchNorm's running statistics: DDP's forward copies rank 0's to every rank at
+    # each training step (broadcast_buffers=True, its default), and then each rank's
+    # own batch updates them. Score with rank 0's, the saved ones (the
     # next training step would copy them over anyway).
     for buffer in model.module.buffers():
         dist.broadcast(buffer, src=0)
@@ -311,6 +317,8 @@ def run_training_process_on_given_gpu(local_rank, args):
         dist.broadcast(start, src=0)
         first_epoch = start.item()
         results = new_results(model, device, steps)
+        # start_line, log_line and report (after the launching section) only format
+        # the results and write them
         print0(start_line(results, first_epoch, args))
         # fixed: the tutorial's range(1, 30) ran 29 epochs
         for epoch in range(first_epoch, args.epochs + 1):
@@ -348,9 +356,10 @@ def run_training_process_on_given_gpu(local_rank, args):
         raise
 
 
-# --- launching and checks (the same in every DDP script of this collection) ---
+# --- launching and checks (the same in the three DDP scripts of this repository) ---
 # launch() runs the per-process function once in each rank. Under torchrun this
-# process is one rank already; otherwise it spawns --nprocs ranks here.
+# process is one rank already; otherwise it spawns --nprocs ranks here, as the
+# tutorial's mp.spawn does.
 # A copy may drop the refusals, the OMP_NUM_THREADS setting and the --metrics-out
 # check. It must keep the store (it holds MASTER_PORT while the ranks meet in it)
 # and the two signal lines (Ctrl-C and SIGTERM then stop every rank).
@@ -476,7 +485,8 @@ def check_args(args):
         train_set, _, num_classes = load_datasets(args)
     except (OSError, ValueError) as e:
         # Whose folder is it? --data's if ImageFolder fails on it alone, else
-        # --val-data's where given, else the error's own words.
+        # --val-data's where given, else (a copy's own load_datasets) the error's own
+        # words: `error: --data DIR: ...`, `error: --val-data DIR: ...`, `error: ...`
         flag = f"--val-data {args.val_data}: " if args.val_data else ""
         try:
             if args.data:
