@@ -48,7 +48,8 @@ def ddp_setup(local_rank, args):
     # a lost rank ends the job instead of hanging it
     timeout = timedelta(seconds=args.timeout)
     # device_id (optional) names this rank's GPU to the group up front: NCCL sets up
-    # now rather than at the first collective, and barrier() need not guess the GPU
+    # now rather than at the first collective. (On NCCL, barrier() is a small
+    # collective on a GPU; without device_id it has to guess which one.)
     kwargs = dict(timeout=timeout, device_id=device if cuda else None)
     # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, which
     # init_process_group's default, env://, reads. A variable set but empty
@@ -59,6 +60,7 @@ def ddp_setup(local_rank, args):
         # key-value server where the ranks meet) open on MASTER_PORT, so that no other
         # run takes the port, and this rank connects to it as a client. All ranks run
         # on this machine, and the spawn index is the rank.
+        # (launch(), below, set MASTER_PORT and opened the store before it spawned us)
         port = int(os.environ["MASTER_PORT"])
         store = dist.TCPStore("127.0.0.1", port, timeout=timeout)
         kwargs.update(store=store, rank=local_rank, world_size=args.nprocs)
@@ -228,9 +230,10 @@ def main(local_rank, args):
 # launch() runs the per-process function once in each rank. Under torchrun this
 # process is one rank already; otherwise it spawns --nprocs ranks here, as the
 # tutorial's mp.spawn does.
-# A copy may drop the refusals, the OMP_NUM_THREADS setting and the --metrics-out
-# check. It must keep the store (it holds MASTER_PORT while the ranks meet in it)
-# and the two signal lines (Ctrl-C and SIGTERM then stop every rank).
+# If you copy this section into a script of your own, you may drop the refusals,
+# the OMP_NUM_THREADS setting and the --metrics-out check. Keep the store (it holds
+# MASTER_PORT while the ranks meet in it) and the two signal lines (Ctrl-C and
+# SIGTERM then stop every rank).
 def launch(main, args):
     # set by torchrun; an empty one counts as unset, as in ddp_setup
     rank = os.environ.get("RANK")

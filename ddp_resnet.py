@@ -47,7 +47,8 @@ def ddp_setup(local_rank, args):
     # a lost rank ends the job instead of hanging it
     timeout = timedelta(seconds=args.timeout)
     # device_id (optional) names this rank's GPU to the group up front: NCCL sets up
-    # now rather than at the first collective, and barrier() need not guess the GPU
+    # now rather than at the first collective. (On NCCL, barrier() is a small
+    # collective on a GPU; without device_id it has to guess which one.)
     kwargs = dict(timeout=timeout, device_id=device if cuda else None)
     # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, which
     # init_process_group's default, env://, reads. A variable set but empty
@@ -58,6 +59,7 @@ def ddp_setup(local_rank, args):
         # key-value server where the ranks meet) open on MASTER_PORT, so that no other
         # run takes the port, and this rank connects to it as a client. All ranks run
         # on this machine, and the spawn index is the rank.
+        # (launch(), below, set MASTER_PORT and opened the store before it spawned us)
         port = int(os.environ["MASTER_PORT"])
         store = dist.TCPStore("127.0.0.1", port, timeout=timeout)
         kwargs.update(store=store, rank=local_rank, world_size=args.nprocs)
@@ -95,8 +97,8 @@ def load_datasets(args):
         # fixed: the tutorial's ImageFolder(root=, ...) is a syntax error
         train = datasets.ImageFolder(args.data, transform=preprocess)
     else:
-        # 12,800 random images in 256 classes, one a class 50 times over: learnable,
-        # nothing to decode, and the same in every rank (each seeds with --seed first)
+        # 256 random images, one per class, each 50 times: 12,800 that a model can
+        # learn and nothing to decode, the same in every rank (all seed with --seed)
         images = TensorDataset(torch.randn(256, 3, size, size), torch.arange(256))
         train = Subset(images, [i % 256 for i in range(12800)])
         # the class names, as an ImageFolder has them
@@ -104,10 +106,10 @@ def load_datasets(args):
     val = None
     if args.val_data:
         val = datasets.ImageFolder(args.val_data, transform=preprocess)
-        # check_args puts "--val-data DIR: " before this, which names up to 10 classes
+        # check_args prints "error: --val-data DIR: " and this (up to 10 names)
         if val.classes != train.classes:
             raise ValueError(
-                "classes in it or in the training data, not both:"
+                "its classes are not the training data's; in one of the two only:"
                 f" {sorted(set(val.classes) ^ set(train.classes))[:10]}"
             )
     return train, val, len(train.classes)
@@ -124,9 +126,9 @@ def prepare_dataloader(train_set, device, args):
     # The loader workers start from a forkserver that imported torchvision once, not
     # as forks of this rank: a rank runs gloo's (or NCCL's) threads, and a child
     # forked from a threaded process can hang on a lock one of them held. DataLoader
-    # uses the default start method; force=True is safe, as a rank's only children
-    # are its loader workers. Not a part of DDP: it matters only with --workers above
-    # 0 (the default where there are GPUs).
+    # uses the default start method; force=True replaces it for this rank alone,
+    # whose only children are its loader workers. Not a part of DDP: it matters only
+    # with --workers above 0 (the default where there are GPUs).
     mp.set_forkserver_preload(["torchvision"])
     mp.set_start_method("forkserver", force=True)
     return DataLoader(
@@ -146,11 +148,11 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
     its speed."""
     # fixed: without set_epoch every epoch has the same order
     dataloader.sampler.set_epoch(epoch)
-    # One seed per rank and epoch (each rank draws its own dropout and augmentation),
-    # the same in every run: a resumed run draws what an
-    # unbroken run drew (the loader workers' seeds, and the dropout and random
-    # augmentation of a model or data of your own). hash() of ints is the same in
-    # every process, and manual_seed takes any 64-bit number.
+    # The loader workers' seeds, and the dropout and random augmentation of a model or
+    # data of your own (this ResNet has none), come from torch's generator. Seeded per
+    # rank and epoch, each rank draws its own, and a resumed run draws what an
+    # unbroken run drew. hash() of ints is the same in every process, and manual_seed
+    # takes any 64-bit number.
     torch.manual_seed(hash((args.seed, epoch, dist.get_rank())))
     global_batch = args.batch_size * dist.get_world_size()
     # summed on the device: .item() at every step would wait for it
@@ -158,7 +160,9 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
     began = time.monotonic()
     last_print = began
     for step, (images, labels) in enumerate(islice(dataloader, steps), start=1):
-        # args.memory_format: channels_last with --channels-last (set in parse_args)
+        # args.memory_format: channels_last with --channels-last (set in parse_args).
+        # non_blocking: the copy of a pinned batch overlaps the GPU's work (the labels
+        # are too small to matter).
         images = images.to(device, non_blocking=True, memory_format=args.memory_format)
         optimizer.zero_grad(set_to_none=True)
         # --amp: bf16, which needs no GradScaler
@@ -195,10 +199,11 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
 def evaluate(model, val_set, device, args):
     """Top-1 accuracy, each image once: a DistributedSampler would pad the shares to
     equal length with repeated images."""
-    # BatchNorm's running statistics: DDP's forward copies rank 0's to every rank at
-    # each training step (broadcast_buffers=True, its default), and then each rank's
-    # own batch updates them. Score with rank 0's, the saved ones (the
-    # next training step would copy them over anyway).
+    # BatchNorm keeps running statistics (buffers), which each rank's batches update.
+    # At each training step DDP's forward first copies rank 0's to every rank
+    # (broadcast_buffers=True, its default), so after an epoch the ranks' differ by
+    # one step. Score with rank 0's, the ones saved. (model.module is the bare model
+    # inside the DDP wrapper.)
     for buffer in model.module.buffers():
         dist.broadcast(buffer, src=0)
     # every world_size-th image, from this rank's number on
@@ -329,7 +334,8 @@ def run_training_process_on_given_gpu(local_rank, args):
                 load_model(epoch - 1, model, optimizer, device, args)
             trained = train(model, dataloader, optimizer, device, epoch, steps, args)
             results.update(trained)
-            # the global rank: the tutorial's LOCAL_RANK 0 is one writer per node
+            # the global rank, one writer in all: the tutorial's rank == 0 is the spawn
+            # index, which on several machines is 0 once on each
             if dist.get_rank() == 0:
                 results["checkpoint"] = save_model(epoch, model, optimizer, args)
             # every rank evaluates, also one whose share of the validation set is
@@ -360,9 +366,10 @@ def run_training_process_on_given_gpu(local_rank, args):
 # launch() runs the per-process function once in each rank. Under torchrun this
 # process is one rank already; otherwise it spawns --nprocs ranks here, as the
 # tutorial's mp.spawn does.
-# A copy may drop the refusals, the OMP_NUM_THREADS setting and the --metrics-out
-# check. It must keep the store (it holds MASTER_PORT while the ranks meet in it)
-# and the two signal lines (Ctrl-C and SIGTERM then stop every rank).
+# If you copy this section into a script of your own, you may drop the refusals,
+# the OMP_NUM_THREADS setting and the --metrics-out check. Keep the store (it holds
+# MASTER_PORT while the ranks meet in it) and the two signal lines (Ctrl-C and
+# SIGTERM then stop every rank).
 def launch(main, args):
     # set by torchrun; an empty one counts as unset, as in ddp_setup
     rank = os.environ.get("RANK")
@@ -604,8 +611,8 @@ if __name__ == "__main__":
     # Which process checks the input, and says why it refuses? Where RANK is unset,
     # this process spawns the ranks and checks before it does, whatever LOCAL_RANK a
     # shell left behind. Under torchrun (RANK set), one process a node checks: the one
-    # with LOCAL_RANK 0. The others meanwhile wait for rank 0 in ddp_setup; if it
-    # refuses, torchrun stops them.
+    # with LOCAL_RANK 0. The others meanwhile wait in ddp_setup for the group to
+    # form; if a check refuses, torchrun stops them.
     if not os.environ.get("RANK") or os.environ.get("LOCAL_RANK", "0") == "0":
         check_args(args)
     launch(run_training_process_on_given_gpu, args)
