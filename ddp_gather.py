@@ -138,10 +138,10 @@ def launch(main, args):
         threads = max(1, os.cpu_count() // args.nprocs)
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         # fixed: not a hard-coded 12355: MASTER_PORT if set, else a free port. Our
-        # store holds it until the end, so a second run on it is refused at once. The
-        # store listens on all of this machine's addresses, and the ranks, all on this
-        # machine, reach it at 127.0.0.1, the loopback address (MASTER_ADDR is for
-        # torchrun's several nodes).
+        # store holds it until the end, so a second run on it is refused at once. A
+        # TCPStore server listens on all of this machine's addresses; the address given
+        # is where a client dials it. The ranks, all on this machine, dial 127.0.0.1,
+        # the loopback address (MASTER_ADDR is for torchrun's several nodes).
         port = int(os.environ.get("MASTER_PORT") or 0)
         timeout = timedelta(seconds=args.timeout)
         try:
