@@ -36,20 +36,18 @@ def ddp_setup(local_rank, args):
     # --timeout: a collective that waits longer than this for another rank fails, so
     # a lost rank ends the job instead of hanging it
     timeout = timedelta(seconds=args.timeout)
-    # device_id (optional) names this rank's GPU to the group up front: NCCL sets up
-    # now rather than at the first collective. (On NCCL, barrier() is a small
-    # collective on a GPU; without device_id it has to guess which one.)
+    # device_id (optional, GPUs only): NCCL binds this rank to its GPU now, rather
+    # than at the first collective
     kwargs = dict(timeout=timeout, device_id=device if cuda else None)
-    # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, which
-    # init_process_group's default, env://, reads. A variable set but empty
+    # Started by torchrun: RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set, and
+    # init_process_group reads them (its default, env://). A variable set but empty
     # (RANK=$(cmd) where cmd failed) counts as unset.
     if not os.environ.get("RANK"):
-        # fixed: the tutorial meets on a hard-coded MASTER_PORT that any other run can
-        # take. Started by mp.spawn in launch() instead: launch() keeps a TCPStore (the
-        # key-value server where the ranks meet) open on MASTER_PORT, so that no other
-        # run takes the port, and this rank connects to it as a client. All ranks run
-        # on this machine, and the spawn index is the rank.
-        # (launch(), below, set MASTER_PORT and opened the store before it spawned us)
+        # fixed: the tutorial meets on a hard-coded MASTER_PORT that another run can
+        # take. Here launch(), below, spawned us: it opened a TCPStore (the key-value
+        # server where the ranks meet) on a free port, put the port in MASTER_PORT,
+        # and holds it until the end. Each rank joins the store as a client, with its
+        # spawn index as its rank.
         port = int(os.environ["MASTER_PORT"])
         store = dist.TCPStore("127.0.0.1", port, timeout=timeout)
         kwargs.update(store=store, rank=local_rank, world_size=args.nprocs)
@@ -62,8 +60,8 @@ def ddp_setup(local_rank, args):
             f"error: {e}; RANK is set, so this process joins a group started"
             " elsewhere: set WORLD_SIZE, MASTER_ADDR and MASTER_PORT too, or unset RANK"
         )
-    # A stop (SIGTERM) now raises KeyboardInterrupt in the rank, as Ctrl-C does, so
-    # clean-up code runs: `finally:` blocks, such as one that removes a temporary file
+    # SIGTERM (how launch() and torchrun stop the ranks) now raises KeyboardInterrupt,
+    # as Ctrl-C does, so clean-up runs: `finally:` blocks, such as save_model's
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     return device
 
@@ -137,11 +135,10 @@ def launch(main, args):
         # cores; each gets its share (torchrun sets 1)
         threads = max(1, os.cpu_count() // args.nprocs)
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-        # fixed: not a hard-coded 12355: MASTER_PORT if set, else a free port. Our
-        # store holds it until the end, so a second run on it is refused at once. A
-        # TCPStore server listens on all of this machine's addresses; the address given
-        # is where a client dials it. The ranks, all on this machine, dial 127.0.0.1,
-        # the loopback address (MASTER_ADDR is for torchrun's several nodes).
+        # fixed: not a hard-coded 12355: MASTER_PORT if set, else port 0, which
+        # asks the system for a free one. The store (is_master: the server) holds the
+        # port until the end, so a second run on it is refused at once. It listens on
+        # every address here; the ranks, all on this machine, dial it at 127.0.0.1.
         port = int(os.environ.get("MASTER_PORT") or 0)
         timeout = timedelta(seconds=args.timeout)
         try:
@@ -152,11 +149,12 @@ def launch(main, args):
                 f"error: {e}; unset MASTER_PORT for a free port, or choose another"
             )
         os.environ["MASTER_PORT"] = str(store.port)
-        # Started as `cmd &`, this launcher ignores Ctrl-C, and the ranks would inherit
-        # that. mp.spawn asks the kernel to send each rank SIGINT when the launcher
-        # dies, so SIGINT must not be ignored.
+        # Ctrl-C (SIGINT) raises KeyboardInterrupt here and in each rank, even where
+        # it was ignored: a shell script's `cmd &` starts cmd so, and the ranks would
+        # inherit that. (mp.spawn also has Linux send a rank SIGINT if we die.)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, stop)
+        # SIGTERM (kill, a job scheduler): terminate_ranks(), below, passes it on
+        signal.signal(signal.SIGTERM, terminate_ranks)
         # when one rank fails, mp.spawn sends SIGTERM to the others and raises
         mp.spawn(main, (args,), nprocs=args.nprocs)
     except mp.ProcessExitedException as e:
@@ -168,13 +166,13 @@ def launch(main, args):
     except (mp.ProcessRaisedException, OSError, dist.DistError) as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
-        # Ctrl-C, which every rank got too, or a stop
+        # Ctrl-C, which every rank got too, or SIGTERM
         sys.exit(130)
 
 
-def stop(*_):
-    """SIGTERM to the launcher: passed on to each rank, and we end as on Ctrl-C."""
-    # once: a second SIGTERM would cut a rank's clean-up short
+def terminate_ranks(*_):
+    """SIGTERM to the launcher: passed on to each rank; then we end as on Ctrl-C."""
+    # once: a second SIGTERM to each rank would interrupt its `finally:` blocks
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for process in mp.active_children():
         process.terminate()

@@ -46,20 +46,18 @@ def ddp_setup(local_rank, args):
     # --timeout: a collective that waits longer than this for another rank fails, so
     # a lost rank ends the job instead of hanging it
     timeout = timedelta(seconds=args.timeout)
-    # device_id (optional) names this rank's GPU to the group up front: NCCL sets up
-    # now rather than at the first collective. (On NCCL, barrier() is a small
-    # collective on a GPU; without device_id it has to guess which one.)
+    # device_id (optional, GPUs only): NCCL binds this rank to its GPU now, rather
+    # than at the first collective
     kwargs = dict(timeout=timeout, device_id=device if cuda else None)
-    # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT, which
-    # init_process_group's default, env://, reads. A variable set but empty
+    # Started by torchrun: RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set, and
+    # init_process_group reads them (its default, env://). A variable set but empty
     # (RANK=$(cmd) where cmd failed) counts as unset.
     if not os.environ.get("RANK"):
-        # fixed: the tutorial meets on a hard-coded MASTER_PORT that any other run can
-        # take. Started by mp.spawn in launch() instead: launch() keeps a TCPStore (the
-        # key-value server where the ranks meet) open on MASTER_PORT, so that no other
-        # run takes the port, and this rank connects to it as a client. All ranks run
-        # on this machine, and the spawn index is the rank.
-        # (launch(), below, set MASTER_PORT and opened the store before it spawned us)
+        # fixed: the tutorial meets on a hard-coded MASTER_PORT that another run can
+        # take. Here launch(), below, spawned us: it opened a TCPStore (the key-value
+        # server where the ranks meet) on a free port, put the port in MASTER_PORT,
+        # and holds it until the end. Each rank joins the store as a client, with its
+        # spawn index as its rank.
         port = int(os.environ["MASTER_PORT"])
         store = dist.TCPStore("127.0.0.1", port, timeout=timeout)
         kwargs.update(store=store, rank=local_rank, world_size=args.nprocs)
@@ -72,8 +70,8 @@ def ddp_setup(local_rank, args):
             f"error: {e}; RANK is set, so this process joins a group started"
             " elsewhere: set WORLD_SIZE, MASTER_ADDR and MASTER_PORT too, or unset RANK"
         )
-    # A stop (SIGTERM) now raises KeyboardInterrupt in the rank, as Ctrl-C does, so
-    # clean-up code runs: `finally:` blocks, such as one that removes a temporary file
+    # SIGTERM (how launch() and torchrun stop the ranks) now raises KeyboardInterrupt,
+    # as Ctrl-C does, so clean-up runs: `finally:` blocks, such as save_model's
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     return device
 
@@ -106,7 +104,7 @@ def load_datasets(args):
     val = None
     if args.val_data:
         val = datasets.ImageFolder(args.val_data, transform=preprocess)
-        # check_args prints "error: --val-data DIR: " and this (up to 10 names)
+        # the same classes in the same order, or the labels mean other things
         if val.classes != train.classes:
             raise ValueError(
                 "its classes are not the training data's; in one of the two only:"
@@ -123,12 +121,11 @@ def build_model(args, num_classes):
 def prepare_dataloader(train_set, device, args):
     # each rank its own shuffled share of the data
     sampler = DistributedSampler(train_set, seed=args.seed)
-    # The loader workers start from a forkserver that imported torchvision once, not
-    # as forks of this rank: a rank runs gloo's (or NCCL's) threads, and a child
-    # forked from a threaded process can hang on a lock one of them held. DataLoader
-    # uses the default start method; force=True replaces it for this rank alone,
-    # whose only children are its loader workers. Not a part of DDP: it matters only
-    # with --workers above 0 (the default where there are GPUs).
+    # Not a part of DDP; it matters with --workers above 0 (the default with GPUs).
+    # Loader workers then start from a forkserver, not as forks of this rank: a fork
+    # of a process that runs gloo's or NCCL's threads can hang on a lock one of them
+    # held. force=True: the start method of this rank, whose only children are its
+    # loader workers. The forkserver imports torchvision once, for all of them.
     mp.set_forkserver_preload(["torchvision"])
     mp.set_start_method("forkserver", force=True)
     return DataLoader(
@@ -138,7 +135,7 @@ def prepare_dataloader(train_set, device, args):
         # fixed: per rank; the tutorial's 4 * GPUs in each rank made 4 * GPUs * GPUs
         num_workers=args.workers,
         pin_memory=device.type == "cuda",
-        # a last batch of 1 image would fail in BatchNorm
+        # a last batch of 1 image can be too few for BatchNorm (see check_args)
         drop_last=True,
     )
 
@@ -148,11 +145,11 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
     its speed."""
     # fixed: without set_epoch every epoch has the same order
     dataloader.sampler.set_epoch(epoch)
-    # The loader workers' seeds, and the dropout and random augmentation of a model or
-    # data of your own (this ResNet has none), come from torch's generator. Seeded per
-    # rank and epoch, each rank draws its own, and a resumed run draws what an
-    # unbroken run drew. hash() of ints is the same in every process, and manual_seed
-    # takes any 64-bit number.
+    # Reseeded per rank and epoch: each rank draws its own random numbers (its loader
+    # workers' seeds; the dropout or augmentation of a model or data of your own,
+    # which this ResNet lacks), and a resumed run draws what an unbroken run drew.
+    # The sampler's order has its own seed. hash() of a tuple of ints is the same in
+    # every process, and manual_seed takes any 64-bit number, negative ones too.
     torch.manual_seed(hash((args.seed, epoch, dist.get_rank())))
     global_batch = args.batch_size * dist.get_world_size()
     # summed on the device: .item() at every step would wait for it
@@ -188,8 +185,8 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
     dist.all_reduce(loss_sum)
     loss = loss_sum.item() / steps / dist.get_world_size()
     seconds = time.monotonic() - began
-    # this epoch's mean loss; each epoch's replaces the one before, so the metrics
-    # JSON's final_loss is the last epoch's
+    # final_loss: this epoch's mean loss. Each epoch's replaces the one before in
+    # results, so the metrics JSON's final_loss is the last epoch's.
     return dict(
         final_loss=loss, images_per_sec=steps * global_batch / seconds, seconds=seconds
     )
@@ -199,11 +196,11 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
 def evaluate(model, val_set, device, args):
     """Top-1 accuracy, each image once: a DistributedSampler would pad the shares to
     equal length with repeated images."""
-    # BatchNorm keeps running statistics (buffers), which each rank's batches update.
-    # At each training step DDP's forward first copies rank 0's to every rank
-    # (broadcast_buffers=True, its default), so after an epoch the ranks' differ by
-    # one step. Score with rank 0's, the ones saved. (model.module is the bare model
-    # inside the DDP wrapper.)
+    # BatchNorm's running statistics (buffers) learn from each rank's own batches.
+    # DDP copies rank 0's to every rank at the start of each forward (its option
+    # broadcast_buffers, on by default), so after the last step the ranks' differ.
+    # Copy rank 0's, the ones saved, so that every rank scores the same model.
+    # (model.module: the model inside DDP.)
     for buffer in model.module.buffers():
         dist.broadcast(buffer, src=0)
     # every world_size-th image, from this rank's number on
@@ -212,8 +209,8 @@ def evaluate(model, val_set, device, args):
     counts = torch.zeros(2, dtype=torch.int64, device=device)
     model.eval()
     for images, labels in DataLoader(share, args.batch_size, num_workers=args.workers):
-        # model.module, the bare model: DDP's forward can broadcast the buffers, which
-        # every rank must join, and the ranks do not score the same number of batches
+        # model.module, not DDP's forward: that broadcast is a collective, which every
+        # rank must join, but a rank with a batch more would call it alone and hang
         with torch.autocast(device.type, torch.bfloat16, enabled=args.amp):
             logits = model.module(images.to(device, memory_format=args.memory_format))
         counts[0] += (logits.argmax(1) == labels.to(device)).sum()
@@ -248,7 +245,8 @@ def save_model(epoch, model, optimizer, args):
         optimizer_state_dict=optimizer.state_dict(),
     )
     # Serialized in memory (a second copy, for a moment), then written by us: a full
-    # disk is then an OSError with its reason, not an error of torch's C++ writer.
+    # disk is then an OSError that says "No space left on device"; torch.save to a
+    # file would fail in its C++ writer with a message that does not say why.
     buffer = io.BytesIO()
     torch.save(ckpt, buffer)
     try:
@@ -299,15 +297,15 @@ def run_training_process_on_given_gpu(local_rank, args):
     # the except at the end: when a peer dies, this rank waits a moment before it
     # fails, so that the launcher reports the peer, the cause
     try:
-        # --seed: the same synthetic images on every rank, and the same initial weights
-        # in every run. (The other ranks' initial weights do not matter: DDP replaces
-        # them with rank 0's.)
+        # --seed: the synthetic images the same on every rank, and the initial weights
+        # the same in every run. (DDP copies rank 0's weights to the other ranks, and
+        # train() reseeds each rank for its own random numbers.)
         torch.manual_seed(args.seed)
         train_set, val_set, num_classes = load_datasets(args)
         dataloader = prepare_dataloader(train_set, device, args)
         model = build_model(args, num_classes)
         model = model.to(device, memory_format=args.memory_format)
-        # on a GPU, DDP uses the device set in ddp_setup (the tutorial's device_ids)
+        # the model is on this rank's device already, so DDP needs no device_ids
         model = DDP(model)
         params = model.parameters()
         optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9, weight_decay=1e-4)
@@ -349,8 +347,8 @@ def run_training_process_on_given_gpu(local_rank, args):
             load_model(first_epoch - 1, model, optimizer, device, args)
             results.update(evaluate(model, val_set, device, args))
         report(results, first_epoch, args)
-        # gone before its process group: a gloo run on torch 2.11 was seen to hang at
-        # exit otherwise
+        # a workaround: we saw a gloo run on torch 2.11 hang at exit unless DDP's
+        # model was gone before its process group
         del model
         dist.destroy_process_group()
     except RuntimeError as e:
@@ -397,11 +395,10 @@ def launch(main, args):
         # cores; each gets its share (torchrun sets 1)
         threads = max(1, os.cpu_count() // args.nprocs)
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
-        # fixed: not a hard-coded 12355: MASTER_PORT if set, else a free port. Our
-        # store holds it until the end, so a second run on it is refused at once. A
-        # TCPStore server listens on all of this machine's addresses; the address given
-        # is where a client dials it. The ranks, all on this machine, dial 127.0.0.1,
-        # the loopback address (MASTER_ADDR is for torchrun's several nodes).
+        # fixed: not a hard-coded 12355: MASTER_PORT if set, else port 0, which
+        # asks the system for a free one. The store (is_master: the server) holds the
+        # port until the end, so a second run on it is refused at once. It listens on
+        # every address here; the ranks, all on this machine, dial it at 127.0.0.1.
         port = int(os.environ.get("MASTER_PORT") or 0)
         timeout = timedelta(seconds=args.timeout)
         try:
@@ -412,11 +409,12 @@ def launch(main, args):
                 f"error: {e}; unset MASTER_PORT for a free port, or choose another"
             )
         os.environ["MASTER_PORT"] = str(store.port)
-        # Started as `cmd &`, this launcher ignores Ctrl-C, and the ranks would inherit
-        # that. mp.spawn asks the kernel to send each rank SIGINT when the launcher
-        # dies, so SIGINT must not be ignored.
+        # Ctrl-C (SIGINT) raises KeyboardInterrupt here and in each rank, even where
+        # it was ignored: a shell script's `cmd &` starts cmd so, and the ranks would
+        # inherit that. (mp.spawn also has Linux send a rank SIGINT if we die.)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGTERM, stop)
+        # SIGTERM (kill, a job scheduler): terminate_ranks(), below, passes it on
+        signal.signal(signal.SIGTERM, terminate_ranks)
         # when one rank fails, mp.spawn sends SIGTERM to the others and raises
         mp.spawn(main, (args,), nprocs=args.nprocs)
     except mp.ProcessExitedException as e:
@@ -428,13 +426,13 @@ def launch(main, args):
     except (mp.ProcessRaisedException, OSError, dist.DistError) as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
-        # Ctrl-C, which every rank got too, or a stop
+        # Ctrl-C, which every rank got too, or SIGTERM
         sys.exit(130)
 
 
-def stop(*_):
-    """SIGTERM to the launcher: passed on to each rank, and we end as on Ctrl-C."""
-    # once: a second SIGTERM would cut a rank's clean-up short
+def terminate_ranks(*_):
+    """SIGTERM to the launcher: passed on to each rank; then we end as on Ctrl-C."""
+    # once: a second SIGTERM to each rank would interrupt its `finally:` blocks
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for process in mp.active_children():
         process.terminate()
@@ -491,13 +489,13 @@ def check_args(args):
     try:
         train_set, _, num_classes = load_datasets(args)
     except (OSError, ValueError) as e:
-        # Whose folder is it? --data's if ImageFolder fails on it alone, else
-        # --val-data's where given, else (a copy's own load_datasets) the error's own
-        # words: `error: --data DIR: ...`, `error: --val-data DIR: ...`, `error: ...`
-        flag = f"--val-data {args.val_data}: " if args.val_data else ""
+        # Whose folder failed? Load --data alone: if that fails, --data's; else
+        # --val-data's, where given. (With neither, as in a copy with data of its own,
+        # the error alone.)
         try:
             if args.data:
                 datasets.ImageFolder(args.data)
+            flag = f"--val-data {args.val_data}: " if args.val_data else ""
         except OSError:
             flag = f"--data {args.data}: "
         sys.exit(f"error: {flag}{e}")
