@@ -5,6 +5,7 @@ import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -12,6 +13,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 ROOT = Path(__file__).resolve().parent.parent
 DEBIAN_FMNIST = Path("/usr/share/datasets/fashion-mnist")
@@ -144,6 +146,18 @@ def lines(proc: subprocess.Popen, timeout: float, until=lambda line: False):
             pending += chunk
 
 
+def occupy(port: int):
+    """A socket listening on 127.0.0.1:port, as another program's; None if it is taken already."""
+    s = socket.socket()
+    try:
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        return s
+    except OSError:  # taken already: just as good for a test that wants it busy
+        s.close()
+        return None
+
+
 def python(script: str, *flags) -> list:
     return [sys.executable, str(ROOT / script), *map(str, flags)]
 
@@ -174,27 +188,36 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # the same kernels in every run: bitwise-
 
 @pytest.fixture(scope="session")
 def uninterrupted(tmp_path_factory):
-    """One 3-epoch spawned DDP run: what other launches, resumes and nodes must reproduce."""
-    folder = tmp_path_factory.mktemp("uninterrupted")
-    result = run(
-        python(
-            "ddp_resnet.py",
-            *RESNET,
-            "--nprocs",
-            2,
-            "--epochs",
-            3,
-            "--log-every",
-            1,
-            "--ckpt-dir",
-            folder,
-            "--metrics-out",
-            folder / "metrics.json",
-        ),
-        timeout=180,
-        env=ONE_THREAD,
-    )
-    return folder, result.stdout, result.stderr
+    """One 3-epoch spawned DDP run: what other launches, resumes and nodes must reproduce. Under
+    pytest-xdist (-n), the first worker to ask runs it and the others read its folder."""
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # this session's folder, above each worker's own
+    folder = shared / "uninterrupted"
+    with FileLock(shared / "uninterrupted.lock"):  # filelock: a requirement of torch
+        if not (shared / "uninterrupted.err").exists():
+            folder.mkdir(exist_ok=True)  # a failed first try fails again, clearly
+            result = run(
+                python(
+                    "ddp_resnet.py",
+                    *RESNET,
+                    "--nprocs",
+                    2,
+                    "--epochs",
+                    3,
+                    "--log-every",
+                    1,
+                    "--ckpt-dir",
+                    folder,
+                    "--metrics-out",
+                    folder / "metrics.json",
+                ),
+                timeout=180,
+                env=ONE_THREAD,
+            )
+            (shared / "uninterrupted.out").write_text(result.stdout)
+            (shared / "uninterrupted.err").write_text(result.stderr)  # written last: done
+    return folder, *((shared / f"uninterrupted.{s}").read_text() for s in ("out", "err"))
 
 
 @pytest.fixture

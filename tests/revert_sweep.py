@@ -35,7 +35,7 @@ R = [
         "ddp_gather.py",
         'dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timeout)',
         'dist.TCPStore("127.0.0.1", 12355, is_master=True, timeout=timeout)',
-        "tests/test_faults.py::test_busy_default_ports_and_two_runs_at_once",
+        "tests/test_gather.py::test_all_gather_object_rank_order",
     ),
     (
         "fm: every rank all cores",
@@ -49,7 +49,7 @@ R = [
         "ddp_fashionmnist.py",
         "import argparse\n",
         "import argparse\nimport mlflow\n",
-        "tests/test_fashionmnist.py::test_both_launchers_and_each_test_image_once",
+        "tests/test_fashionmnist.py::test_each_test_image_once_and_the_loss_per_image",
     ),
     (
         "fm: second / 255",
@@ -63,7 +63,7 @@ R = [
         "ddp_fashionmnist.py",
         'pin_memory=device.type == "cuda"',
         "pin_memory=True",
-        "tests/test_fashionmnist.py::test_both_launchers_and_each_test_image_once",
+        "tests/test_fashionmnist.py::test_each_test_image_once_and_the_loss_per_image",
     ),
     (
         "fm: no set_epoch",
@@ -91,7 +91,7 @@ R = [
         "ddp_fashionmnist.py",
         "DataLoader(share, batch_size=batch_size)",
         "DataLoader(test_set, batch_size=batch_size, sampler=DistributedSampler(test_set))",
-        "tests/test_fashionmnist.py::test_both_launchers_and_each_test_image_once",
+        "tests/test_multinode.py::test_processes_with_rank_but_no_local_rank_join_as_that_rank",
     ),
     (
         "ddp: drop_last=False",
@@ -147,7 +147,7 @@ R = [
         "ddp_resnet.py",
         "    dist.barrier()\n",
         "    pass\n",
-        "tests/test_resnet.py::test_ddp_run_prints_saves_and_reports tests/test_resnet.py::test_resume_ends_where_an_unbroken_run_ends",
+        "tests/test_resnet.py::test_ddp_run_prints_saves_and_reports tests/test_resnet.py::test_a_leftover_local_rank_still_checks_and_resumes",
     ),
     (
         "ddp: weights_only=False",

@@ -36,35 +36,55 @@ def recorded(out, ranks: int) -> list:
 @pytest.mark.learned  # rank 0's mean loss apart from both ranks' by far more than 1e-4
 @pytest.mark.parametrize("script", ["ddp_fashionmnist.py", "ddp_resnet.py"])
 def test_each_epoch_a_new_order_each_rank_its_own_share_the_loss_of_all(script, tmp_path):
-    """set_epoch: epoch 2 draws another order than epoch 1; the two ranks' shares are disjoint
-    and cover the data; the printed loss is the mean of both ranks' losses, not rank 0's;
-    --workers is per process (the tutorial's 4 * GPUs in every process is 0 here)."""
+    """set_epoch: epoch 2 draws another order than epoch 1; the ranks' shares are disjoint and
+    cover the data; the printed loss is the mean of every rank's losses, not rank 0's; --workers
+    is per process (the tutorial's 4 * GPUs in every process is 0 here). FashionMNIST under
+    torchrun also reports what ran where, each epoch's loss and its 10,000 test images (on 3
+    ranks, whose shares are uneven: test_multinode.py's RANK processes)."""
     out, flags = tmp_path / "rec", ["--metrics-out", tmp_path / "m.json"]
+    world = 2
     if script == "ddp_resnet.py":
         flags += [*RESNET, "--epochs", 2, "--workers", 1, "--ckpt-dir", tmp_path / "ckpt"]
-    run(
+    res = run(
         torchrun(
             "tests/recorded.py",
-            2,
+            world,
             out,
             script,
             *(flags if script == "ddp_resnet.py" else FM + flags),
         ),
         timeout=180,
     )
-    ranks, size = recorded(out, 2), 60000 if script == "ddp_fashionmnist.py" else 12800
+    ranks, size = recorded(out, world), 60000 if script == "ddp_fashionmnist.py" else 12800
     for rank in ranks:
         assert len(rank["draws"]) == 2 and rank["draws"][0] != rank["draws"][1]
     for epoch in (0, 1):
         shares = [set(rank["draws"][epoch]) for rank in ranks]
-        assert not shares[0] & shares[1] and shares[0] | shares[1] == set(range(size))
+        assert sum(map(len, shares)) == len(set.union(*shares)) == size  # disjoint, and all
     last = [[value for pass_, value in rank["losses"] if pass_ == 2] for rank in ranks]
-    assert len(last[0]) == len(last[1]) > 0
-    mean, rank0 = sum(last[0] + last[1]) / len(last[0] + last[1]), sum(last[0]) / len(last[0])
+    assert len({len(losses) for losses in last}) == 1 and last[0]
+    mean, rank0 = sum(map(sum, last)) / sum(map(len, last)), sum(last[0]) / len(last[0])
     assert rank0 != pytest.approx(mean, rel=1e-4)  # else this run could not tell them apart
-    assert metrics(tmp_path / "m.json")["final_loss"] == pytest.approx(mean, rel=1e-5)
+    m = metrics(tmp_path / "m.json")
+    assert m["final_loss"] == pytest.approx(mean, rel=1e-5)
     if script == "ddp_resnet.py":
         assert ranks[0]["workers"][0] == ranks[1]["workers"][0] == 1
+        return
+    assert (m["world_size"], m["backend"], m["device"], m["data"]) == (
+        2,
+        "gloo",
+        "cpu",
+        "synthetic",
+    )
+    assert m["test_samples"] == 10000 and m["test_accuracy"] == m["test_correct"] / 10000
+    lines = res.stdout.splitlines()
+    assert lines[0] == (
+        "start | script ddp_fashionmnist.py | world_size 2 | device cpu | backend gloo "
+        "| data synthetic"
+    )
+    assert lines[2].startswith(f"epoch 2/2 | loss {m['final_loss']:.4f} | "), lines
+    assert lines[2].endswith(" img/s")
+    assert lines[3] == f"done | test_accuracy {m['test_accuracy']:.4f} (10000 images)"
 
 
 def test_dp_reshuffles_every_epoch_from_the_epoch_number(tmp_path):

@@ -4,31 +4,46 @@ import shutil
 
 import pytest
 
-from conftest import ROOT, last_line, metrics, python, run, torchrun
+from conftest import (
+    ROOT,
+    finish_all,
+    last_line,
+    metrics,
+    occupy,
+    python,
+    run,
+    start,
+    torchrun,
+)
 
 
-@pytest.mark.parametrize("launcher,world", [("spawn", 3), ("torchrun", 2)])
-def test_all_gather_object_rank_order(tmp_path, launcher, world):
-    out = tmp_path / "new" / "m.json"  # a folder that --metrics-out makes
-    flags, script = ["--cpu", "--metrics-out", out], "ddp_gather.py"
-    if launcher == "spawn":  # a user's copy: it reports its own name
-        script = shutil.copy(ROOT / script, tmp_path / "my_gather.py")
-    cmd = (
-        python(script, "--nprocs", world, *flags)
-        if launcher == "spawn"
-        else torchrun(script, world, *flags)
-    )
-    res = run(cmd, timeout=120)
-    m = metrics(out)
-    assert m["world_size"] == world
-    assert m["script"] == ("my_gather.py" if launcher == "spawn" else "ddp_gather.py")
-    assert [g["dict"]["rank"] for g in m["gathered"]] == list(range(world))
-    assert [g["list"] for g in m["gathered"]] == [[1 + r, 2 + r, 3 + r] for r in range(world)]
-    assert [g["tensor"] for g in m["gathered"]] == [[1.0 + r] * 3 for r in range(world)]
-    assert f"all_gather: {[[1.0 + r] * 3 for r in range(world)]}" in res.stdout
-    assert res.stdout.splitlines()[-1] == f"done | gathered {world} objects | backend gloo"
-    if launcher == "spawn":  # (torchrun itself warns that it set OMP_NUM_THREADS)
-        assert res.stderr == ""  # nothing a user would have to read past
+def test_all_gather_object_rank_order(tmp_path):
+    """Both launch paths at once, 3 spawned ranks and 2 under torchrun, while another program
+    holds the tutorials' port 12355 and torchrun's default 29500: neither path needs them."""
+    held = [occupy(12355), occupy(29500)]
+    out = {w: tmp_path / "new" / f"{w}.json" for w in (3, 2)}  # a folder --metrics-out makes
+    copy = shutil.copy(ROOT / "ddp_gather.py", tmp_path / "my_gather.py")  # a user's copy
+    cmds = {
+        3: python(copy, "--nprocs", 3, "--cpu", "--metrics-out", out[3]),
+        2: torchrun("ddp_gather.py", 2, "--cpu", "--metrics-out", out[2]),
+    }
+    try:
+        results = dict(zip(cmds, finish_all([start(c) for c in cmds.values()], 120), strict=True))
+    finally:
+        for s in held:
+            if s:
+                s.close()
+    for world, res in results.items():
+        m = metrics(out[world])
+        assert m["world_size"] == world
+        assert m["script"] == ("my_gather.py" if world == 3 else "ddp_gather.py")  # its own name
+        assert [g["dict"]["rank"] for g in m["gathered"]] == list(range(world))
+        assert [g["list"] for g in m["gathered"]] == [[1 + r, 2 + r, 3 + r] for r in range(world)]
+        assert [g["tensor"] for g in m["gathered"]] == [[1.0 + r] * 3 for r in range(world)]
+        assert f"all_gather: {[[1.0 + r] * 3 for r in range(world)]}" in res.stdout
+        assert res.stdout.splitlines()[-1] == f"done | gathered {world} objects | backend gloo"
+    # nothing a user would have to read past (torchrun itself warns that it set OMP_NUM_THREADS)
+    assert results[3].stderr == ""
 
 
 @pytest.mark.parametrize("nprocs", [0, -2, "two"])

@@ -10,7 +10,18 @@ import time
 
 import pytest
 
-from conftest import ONE_THREAD, RESNET, ROOT, finish, finish_all, metrics, same_weights, start
+from conftest import (
+    ONE_THREAD,
+    RESNET,
+    ROOT,
+    finish,
+    finish_all,
+    metrics,
+    run,
+    same_weights,
+    start,
+    torchrun,
+)
 
 
 def free_port() -> int:
@@ -69,7 +80,9 @@ def test_resnet_across_two_nodes_with_a_shared_checkpoint_folder(uninterrupted, 
 def test_processes_with_rank_but_no_local_rank_join_as_that_rank(uninterrupted, tmp_path):
     """A Kubernetes PyTorchJob starts one process per pod with MASTER_ADDR, MASTER_PORT,
     WORLD_SIZE and RANK, and no LOCAL_RANK: each joins the group as that rank, local rank 0.
-    Here two by hand per script, all at once; the ResNet trains the weights of a spawned run."""
+    Here by hand, all scripts at once; the ResNet trains the weights of a spawned run, and
+    FashionMNIST on 3 ranks scores each of its 10,000 test images once: shares of 3334, 3333 and
+    3333 (a DistributedSampler would score 10,002)."""
     ckpt, out = tmp_path / "ckpt", {s: tmp_path / f"{s}.json" for s in ("gather", "fm", "resnet")}
     runs = {
         "gather": ["ddp_gather.py", "--cpu"],
@@ -78,14 +91,19 @@ def test_processes_with_rank_but_no_local_rank_join_as_that_rank(uninterrupted, 
     }
     procs = []
     for name, (script, *flags) in runs.items():
-        env = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-        for rank in (0, 1):
+        world = 3 if name == "fm" else 2
+        env = {
+            "WORLD_SIZE": str(world),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+        }
+        for rank in range(world):
             metrics_flags = ["--metrics-out", out[name]] if rank == 0 else []
             cmd = [sys.executable, str(ROOT / script), *map(str, [*flags, *metrics_flags])]
             procs.append(start(cmd, env={**env, "RANK": str(rank), **ONE_THREAD}))
     finish_all(procs, timeout=240)
     assert [g["dict"]["rank"] for g in metrics(out["gather"])["gathered"]] == [0, 1]
-    assert metrics(out["fm"])["world_size"] == 2 and metrics(out["fm"])["test_samples"] == 10000
+    assert metrics(out["fm"])["world_size"] == 3 and metrics(out["fm"])["test_samples"] == 10000
     assert metrics(out["resnet"])["world_size"] == 2
     same_weights(uninterrupted[0] / "epoch_2.pt", ckpt / "epoch_2.pt")
 
@@ -194,7 +212,8 @@ def test_two_network_namespaces_as_two_hosts(two_hosts, uninterrupted, tmp_path)
 
 def test_elastic_restart_resumes_and_matches_an_uninterrupted_run(uninterrupted, tmp_path):
     """torchrun --max-restarts=1 with rank 0 SIGKILLed after epoch 1: the new workers resume
-    from the newest checkpoint and end with the weights of a run that was never interrupted."""
+    from the newest checkpoint and end with the weights of a run that was never interrupted (the
+    weights of spawn, under torchrun). Run again, the finished run trains nothing."""
     ckpt = tmp_path / "elastic"
     agent = start(
         [
@@ -230,3 +249,11 @@ def test_elastic_restart_resumes_and_matches_an_uninterrupted_run(uninterrupted,
     starts = [line for line in res.stdout.splitlines() if line.startswith("start |")]
     assert starts[0].endswith("| epochs 1-3") and re.search(r"\| epochs [23]-3$", starts[1]), starts
     same_weights(uninterrupted[0] / "epoch_3.pt", ckpt / "epoch_3.pt")
+    # once more: a finished run says so, and trains nothing
+    res = run(
+        torchrun("ddp_resnet.py", 2, *RESNET, "--epochs", 3, "--ckpt-dir", ckpt, "--resume"), 180
+    )
+    assert res.stdout.splitlines()[0].endswith(
+        f"| steps 2 | nothing to train: {ckpt / 'epoch_3.pt'} reached --epochs 3"
+    )
+    assert res.stdout.splitlines()[-1] == "done | epochs_run 0"

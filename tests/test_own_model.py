@@ -4,6 +4,7 @@ the loader workers, a validation set), and the copy launches, trains, validates 
 saves and resumes as the original does: to the bit of a run that was never stopped."""
 
 import difflib
+import shutil
 import sys
 
 import torch
@@ -12,12 +13,10 @@ from conftest import (
     ONE_THREAD,
     RESNET,
     ROOT,
-    finish_all,
     last_line,
     metrics,
     run,
     same_weights,
-    start,
 )
 
 OWN = '''def load_datasets(args):
@@ -59,18 +58,17 @@ def test_own_model_and_data_in_two_functions(tmp_path):
     )
     ckpt, flags = tmp_path / "ckpt", ["--cpu", "--nprocs", 2, "--batch-size", 5, "--timeout", 60]
     flags += ["--workers", 1]  # the random crops and flips happen in a loader worker of each rank
-    cmd = [sys.executable, script, *flags, "--ckpt-dir", ckpt, "--metrics-out", tmp_path / "m.json"]
-    unbroken = [sys.executable, script, *flags, "--ckpt-dir", tmp_path / "unbroken", "--epochs", 2]
-    res, _ = finish_all(  # at once: 1 epoch, and 2 that are never stopped
-        [start([str(c) for c in c], env=ONE_THREAD) for c in ([*cmd, "--epochs", 1], unbroken)],
-        timeout=180,
-    )
+    unbroken = tmp_path / "unbroken"  # 2 epochs, never stopped
+    cmd = [sys.executable, script, *flags, "--epochs", 2, "--metrics-out", tmp_path / "m.json"]
+    res = run([str(c) for c in [*cmd, "--ckpt-dir", unbroken]], timeout=180, env=ONE_THREAD)
     m = metrics(tmp_path / "m.json")
-    assert (m["model"], m["epochs_run"], m["steps"], m["val_samples"]) == ("Sequential", 1, 6, 10)
+    assert (m["model"], m["epochs_run"], m["steps"], m["val_samples"]) == ("Sequential", 2, 6, 10)
     assert m["script"] == "my_training.py"  # the copy's own name, in the start line too
     assert res.stdout.splitlines()[0].startswith("start | script my_training.py | world_size 2 |")
-    assert "| model Sequential | steps 6 | epochs 1-1" in res.stdout.splitlines()[0]
-    res = run([str(c) for c in [*cmd, "--epochs", 2, "--resume"]], timeout=120, env=ONE_THREAD)
+    assert "| model Sequential | steps 6 | epochs 1-2" in res.stdout.splitlines()[0]
+    ckpt.mkdir()  # as if stopped after epoch 1
+    shutil.copy(unbroken / "epoch_1.pt", ckpt)
+    res = run([str(c) for c in [*cmd, "--ckpt-dir", ckpt, "--resume"]], timeout=120, env=ONE_THREAD)
     m = metrics(tmp_path / "m.json")
     assert (m["epochs_run"], m["val_samples"]) == (1, 10) and m["checkpoint"] == str(
         ckpt / "epoch_2.pt"
@@ -80,7 +78,7 @@ def test_own_model_and_data_in_two_functions(tmp_path):
     )
     # every epoch's crops, flips and dropout come from --seed, the epoch and the rank: resumed
     # after epoch 1, the run ends where the one that never stopped ends
-    same_weights(tmp_path / "unbroken" / "epoch_2.pt", ckpt / "epoch_2.pt")
+    same_weights(unbroken / "epoch_2.pt", ckpt / "epoch_2.pt")
     ckpt = torch.load(ckpt / "epoch_2.pt", weights_only=True)
     assert (
         ckpt["epoch"] == 2 and "0.weight" in ckpt["model_state_dict"]
@@ -97,13 +95,9 @@ def test_dataparallel_copy_resumes_to_the_bit_with_augmentation_and_dropout(tmp_
     script, _ = own_copy(tmp_path, "dp_resnet.py", DP_OWN)
     flags = [sys.executable, script, "--cpu", "--batch-size", 5, "--workers", 1]
     first, unbroken = tmp_path / "first", tmp_path / "unbroken"
-    finish_all(  # at once: 1 epoch, and 2 that are never stopped
-        [
-            start([str(c) for c in [*flags, "--epochs", e, "--ckpt-dir", d]], env=ONE_THREAD)
-            for e, d in ((1, first), (2, unbroken))
-        ],
-        timeout=180,
-    )
+    run([str(c) for c in [*flags, "--epochs", 2, "--ckpt-dir", unbroken]], 180, env=ONE_THREAD)
+    first.mkdir()  # as if stopped after epoch 1
+    shutil.copy(unbroken / "epoch_1.pt", first)
     cmd = [*flags, "--epochs", 2, "--ckpt-dir", first, "--resume"]
     run([str(c) for c in cmd], timeout=120, env=ONE_THREAD)
     same_weights(unbroken / "epoch_2.pt", first / "epoch_2.pt")

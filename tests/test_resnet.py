@@ -22,7 +22,6 @@ from conftest import (
     run,
     same_weights,
     start,
-    torchrun,
 )
 
 TIMEOUT = 180
@@ -84,37 +83,6 @@ def test_ddp_run_prints_saves_and_reports(uninterrupted):
         lines[10]
         == f"done | epochs_run 3 | final_loss {m['final_loss']:.4g} | checkpoint {folder / 'epoch_3.pt'}"
     )
-
-
-def test_torchrun_gives_the_weights_of_spawn(uninterrupted, tmp_path):
-    cmd = torchrun("ddp_resnet.py", 2, *RESNET, "--epochs", 3, "--ckpt-dir", tmp_path)
-    run(cmd, timeout=TIMEOUT, env=ONE_THREAD)
-    same_weights(uninterrupted[0] / "epoch_3.pt", tmp_path / "epoch_3.pt")
-    res = run([*cmd, "--resume"], timeout=TIMEOUT)  # finished: it says so, and trains nothing
-    assert res.stdout.splitlines()[0].endswith(
-        f"| steps 2 | nothing to train: {tmp_path / 'epoch_3.pt'} reached --epochs 3"
-    )
-    assert res.stdout.splitlines()[-1] == "done | epochs_run 0"
-
-
-def test_resume_ends_where_an_unbroken_run_ends(uninterrupted, tmp_path):
-    shutil.copy(uninterrupted[0] / "epoch_1.pt", tmp_path)  # as if stopped after epoch 1
-    res = run(
-        command("ddp_resnet.py", "--epochs", 3, "--ckpt-dir", tmp_path, "--resume"),
-        timeout=TIMEOUT,
-        env=ONE_THREAD,
-    )
-    assert res.stdout.splitlines()[0].endswith(
-        f"| steps 2 | resuming from {tmp_path / 'epoch_1.pt'} | epochs 2-3"
-    )
-    same_weights(uninterrupted[0] / "epoch_3.pt", tmp_path / "epoch_3.pt")
-    res = run(
-        command("ddp_resnet.py", "--epochs", 3, "--ckpt-dir", tmp_path, "--resume"), timeout=TIMEOUT
-    )
-    assert res.stdout.splitlines()[0].endswith(
-        f"| steps 2 | nothing to train: {tmp_path / 'epoch_3.pt'} reached --epochs 3"
-    )
-    assert res.stdout.splitlines()[-1] == "done | epochs_run 0"
 
 
 def test_a_leftover_local_rank_still_checks_and_resumes(uninterrupted, tmp_path):
