@@ -175,6 +175,26 @@ def torchrun(script: str, nproc: int, *flags) -> list:
     ]
 
 
+def fm_report(res, m: dict, script: str, epochs: int) -> None:
+    """A 2-rank synthetic ddp_fashionmnist.py run's metrics and lines: what ran where, each test
+    image scored once, the last epoch's loss as its final_loss, and the done line."""
+    assert (m["world_size"], m["backend"], m["device"], m["data"]) == (
+        2,
+        "gloo",
+        "cpu",
+        "synthetic",
+    )
+    assert m["test_samples"] == 10000 and m["test_accuracy"] == m["test_correct"] / 10000
+    lines = res.stdout.splitlines()
+    assert lines[0] == (
+        f"start | script {script} | world_size 2 | device cpu | backend gloo | data synthetic"
+    )
+    last = lines[epochs]
+    assert last.startswith(f"epoch {epochs}/{epochs} | loss {m['final_loss']:.4f} | "), lines
+    assert last.endswith(" img/s")
+    assert lines[epochs + 1] == f"done | test_accuracy {m['test_accuracy']:.4f} (10000 images)"
+
+
 def metrics(path) -> dict:
     return json.loads(Path(path).read_text())
 

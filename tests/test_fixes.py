@@ -18,6 +18,7 @@ from conftest import (
     DP,
     RESNET,
     finish_all,
+    fm_report,
     last_line,
     metrics,
     python,
@@ -70,21 +71,7 @@ def test_each_epoch_a_new_order_each_rank_its_own_share_the_loss_of_all(script, 
     if script == "ddp_resnet.py":
         assert ranks[0]["workers"][0] == ranks[1]["workers"][0] == 1
         return
-    assert (m["world_size"], m["backend"], m["device"], m["data"]) == (
-        2,
-        "gloo",
-        "cpu",
-        "synthetic",
-    )
-    assert m["test_samples"] == 10000 and m["test_accuracy"] == m["test_correct"] / 10000
-    lines = res.stdout.splitlines()
-    assert lines[0] == (
-        "start | script ddp_fashionmnist.py | world_size 2 | device cpu | backend gloo "
-        "| data synthetic"
-    )
-    assert lines[2].startswith(f"epoch 2/2 | loss {m['final_loss']:.4f} | "), lines
-    assert lines[2].endswith(" img/s")
-    assert lines[3] == f"done | test_accuracy {m['test_accuracy']:.4f} (10000 images)"
+    fm_report(res, m, "ddp_fashionmnist.py", epochs=2)
 
 
 def test_dp_reshuffles_every_epoch_from_the_epoch_number(tmp_path):
