@@ -33,6 +33,28 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "learned: asserts what training learned (an accuracy)")
 
 
+# The longest tests first, the longest of all first (they start the most Python processes): on
+# pytest-xdist's 2 workers, a long test started last would run alone while the other worker had
+# nothing left to do.
+FIRST = [
+    "test_run_all_passes_then_goes_on_past_failed_and_killed_runs",
+    "test_bench_on_cpu_prints_a_table_of_measured_figures",
+    "test_own_model_and_data_in_two_functions",
+    "test_each_image_scored_once_at_any_world_size",
+    "test_full_disk_during_a_save",
+    "test_a_stop_mid_epoch_then_ctrl_c_during_a_save_then_resume",
+    "test_bad_input_is_one_line_and_nothing_starts",
+    "test_a_batch_the_model_cannot_train_on_is_one_line",
+    "test_elastic_restart_resumes_and_matches_an_uninterrupted_run",
+]
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(FIRST)}
+    # a stable sort: the others as they were found
+    items.sort(key=lambda item: rank.get(item.originalname, len(FIRST)))
+
+
 def start(args: list, cwd=None, env=None, preexec_fn=None) -> subprocess.Popen:
     """Start a command in its own process group, tagged so its descendants can be found."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {}), MARK: uuid.uuid4().hex}

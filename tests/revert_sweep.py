@@ -196,14 +196,14 @@ R = [
         "dp_resnet.py",
         "        shuffle=True,",
         "        shuffle=False,",
-        "tests/test_fixes.py::test_dp_reshuffles_every_epoch_from_the_epoch_number",
+        "tests/test_own_model.py::test_dataparallel_copy_resumes_to_the_bit_with_augmentation_and_dropout",
     ),
     (
         "dp: no reseed per epoch",
         "dp_resnet.py",
         "    torch.manual_seed(epoch)",
         "    pass",
-        "tests/test_fixes.py::test_dp_reshuffles_every_epoch_from_the_epoch_number",
+        "tests/test_own_model.py::test_dataparallel_copy_resumes_to_the_bit_with_augmentation_and_dropout",
     ),
     (
         "dp: drop_last=False",

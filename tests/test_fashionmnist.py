@@ -61,19 +61,21 @@ def test_bad_data_is_one_line_before_any_rank_starts(tmp_path):
     raw = root / "FashionMNIST" / "raw" / "t10k-images-idx3-ubyte"
     raw.write_bytes(raw.read_bytes()[:-1000])  # truncated
     (tmp_path / "file").write_text("not a folder")
+    # A LOCAL_RANK left in the shell, RANK unset (the second case): the launcher still spawns
+    # the ranks, so it still reads (or downloads) the data first. Before, it left that to a
+    # torchrun process of LOCAL_RANK 0 that did not exist, and each rank failed with a traceback.
     cases = [  # all at once: each stops before any rank starts
-        (["--data", root], 1, f"error: FashionMNIST in {root}: "),
-        (["--data", tmp_path / "file"], 1, f"error: FashionMNIST in {tmp_path / 'file'}: "),
-        (["--epochs", 0], 2, "ddp_fashionmnist.py: error: argument --epochs: expected a whole"),
+        (["--data", root], {}, 1, f"error: FashionMNIST in {root}: "),
+        (
+            ["--data", tmp_path / "file"],
+            {"LOCAL_RANK": "1"},
+            1,
+            f"error: FashionMNIST in {tmp_path / 'file'}: ",
+        ),
+        (["--epochs", 0], {}, 2, "ddp_fashionmnist.py: error: argument --epochs: expected a whole"),
     ]
-    procs = [start(python("ddp_fashionmnist.py", "--cpu", *flags)) for flags, _, _ in cases]
-    # A LOCAL_RANK left in the shell, RANK unset: the launcher still spawns the ranks, so it
-    # still reads (or downloads) the data first. Before, it left that to a torchrun process of
-    # LOCAL_RANK 0 that did not exist, and each rank failed with a traceback.
-    flags = ["--data", tmp_path / "file"]
-    procs.append(start(python("ddp_fashionmnist.py", "--cpu", *flags), env={"LOCAL_RANK": "1"}))
-    cases.append((flags, 1, f"error: FashionMNIST in {tmp_path / 'file'}: "))
-    for proc, (_, code, line) in zip(procs, cases, strict=True):
+    procs = [start(python("ddp_fashionmnist.py", "--cpu", *f), env=e) for f, e, _, _ in cases]
+    for proc, (_, _, code, line) in zip(procs, cases, strict=True):
         res = finish(proc, timeout=120, check=False)
         assert res.returncode == code and last_line(res.stderr).startswith(line), res.stderr
         assert "start |" not in res.stdout

@@ -6,7 +6,6 @@ an unchanged script."""
 import http.server
 import json
 import os
-import shutil
 import socket
 import threading
 import time
@@ -15,7 +14,6 @@ import pytest
 
 from conftest import (
     DEBIAN_FMNIST,
-    DP,
     RESNET,
     finish_all,
     fm_report,
@@ -72,37 +70,6 @@ def test_each_epoch_a_new_order_each_rank_its_own_share_the_loss_of_all(script, 
         assert ranks[0]["workers"][0] == ranks[1]["workers"][0] == 1
         return
     fm_report(res, m, "ddp_fashionmnist.py", epochs=2)
-
-
-def test_dp_reshuffles_every_epoch_from_the_epoch_number(tmp_path):
-    """DataParallel has no sampler to set_epoch: each epoch draws a new order, seeded by the
-    epoch, so a run resumed after epoch 1 draws in epoch 2 what an uninterrupted run drew."""
-    for name, epochs, more in (("whole", 2, []), ("resumed", 2, ["--resume"])):
-        folder = tmp_path / name
-        if name == "resumed":  # as if stopped after epoch 1
-            folder.mkdir()
-            shutil.copy(tmp_path / "whole" / "epoch_1.pt", folder)
-        run(
-            python(
-                "tests/recorded.py",
-                tmp_path / f"{name}.rec",
-                "dp_resnet.py",
-                *DP,
-                "--workers",
-                1,
-                "--epochs",
-                epochs,
-                "--ckpt-dir",
-                folder,
-                *more,
-            ),
-            timeout=180,
-        )
-    whole, resumed = (recorded(tmp_path / f"{name}.rec", 1)[0] for name in ("whole", "resumed"))
-    assert len(whole["draws"]) == 2 and whole["draws"][0] != whole["draws"][1]
-    assert sorted(whole["draws"][0]) == sorted(whole["draws"][1]) == list(range(12800))
-    assert resumed["draws"] == whole["draws"][1:]
-    assert whole["workers"][0] == 1
 
 
 class Mirror(http.server.SimpleHTTPRequestHandler):

@@ -4,6 +4,7 @@ the loader workers, a validation set), and the copy launches, trains, validates 
 saves and resumes as the original does: to the bit of a run that was never stopped."""
 
 import difflib
+import json
 import shutil
 import sys
 
@@ -15,6 +16,7 @@ from conftest import (
     ROOT,
     last_line,
     metrics,
+    python,
     run,
     same_weights,
 )
@@ -92,15 +94,26 @@ DP_OWN = OWN.replace(
 
 
 def test_dataparallel_copy_resumes_to_the_bit_with_augmentation_and_dropout(tmp_path):
+    """DataParallel has no sampler to set_epoch: each epoch draws a new order, seeded by the
+    epoch, so a run resumed after epoch 1 draws in epoch 2 what an unbroken run drew, and ends
+    with its weights. Through tests/recorded.py, which writes down each epoch's order."""
     script, _ = own_copy(tmp_path, "dp_resnet.py", DP_OWN)
-    flags = [sys.executable, script, "--cpu", "--batch-size", 5, "--workers", 1]
+    flags = ["--cpu", "--batch-size", 5, "--workers", 1, "--epochs", 2]
     first, unbroken = tmp_path / "first", tmp_path / "unbroken"
-    run([str(c) for c in [*flags, "--epochs", 2, "--ckpt-dir", unbroken]], 180, env=ONE_THREAD)
+    recorded = ["tests/recorded.py", tmp_path / "unbroken.rec", script, *flags]
+    run(python(*recorded, "--ckpt-dir", unbroken), timeout=180, env=ONE_THREAD)
     first.mkdir()  # as if stopped after epoch 1
     shutil.copy(unbroken / "epoch_1.pt", first)
-    cmd = [*flags, "--epochs", 2, "--ckpt-dir", first, "--resume"]
-    run([str(c) for c in cmd], timeout=120, env=ONE_THREAD)
+    recorded[1] = tmp_path / "first.rec"
+    run(python(*recorded, "--ckpt-dir", first, "--resume"), timeout=120, env=ONE_THREAD)
     same_weights(unbroken / "epoch_2.pt", first / "epoch_2.pt")
+    whole, resumed = (
+        json.loads((tmp_path / f"{name}.rec.0.json").read_text()) for name in ("unbroken", "first")
+    )
+    assert len(whole["draws"]) == 2 and whole["draws"][0] != whole["draws"][1]
+    assert sorted(whole["draws"][0]) == sorted(whole["draws"][1]) == list(range(60))
+    assert resumed["draws"] == whole["draws"][1:]
+    assert whole["workers"][0] == 1
 
 
 def test_a_copy_without_the_checks_still_resumes(uninterrupted, tmp_path):

@@ -1,6 +1,7 @@
 """run_all.sh: runs every script, prints one summary table, fails when a run fails, leaves no
 process behind, and runs again in the same RUNS_DIR."""
 
+import json
 import os
 import shutil
 import signal
@@ -19,11 +20,10 @@ GATHER = (
     METRICS
     + "json.dump({'world_size': 2, 'gathered': [{'dict': {'rank': r}} for r in (0, 1)]}, open(out, 'w'))\n"
 )
-OK = METRICS + "json.dump({'images_per_sec': 12.5, 'final_loss': 2.0}, open(out, 'w'))\n"
 # a ResNet stand-in that fails, as the real scripts refuse, where a checkpoint is left over
 FRESH = (
     "import glob, sys\nckpt = sys.argv[sys.argv.index('--ckpt-dir') + 1]\n"
-    "assert not glob.glob(ckpt + '/epoch_*.pt'), 'a used checkpoint folder'\n" + OK
+    "assert not glob.glob(ckpt + '/epoch_*.pt'), 'a used checkpoint folder'\n"
 )
 
 
@@ -54,9 +54,45 @@ def copy_with(folder, **scripts) -> None:
             (folder / f"{name}.py").write_text(text)
 
 
+def fake_nvidia_smi(folder) -> dict:
+    """A PATH with an nvidia-smi that lists a GPU torch cannot see (a torch built for a newer
+    driver, say)."""
+    (folder / "bin").mkdir()
+    smi = folder / "bin" / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)'\n")
+    smi.chmod(0o755)
+    return {"PATH": f"{folder / 'bin'}:{os.environ['PATH']}"}
+
+
+def kill_the_launcher(proc, script: str) -> None:
+    """SIGKILL the launcher of `script`'s run once it has started its ranks."""
+    deadline, launcher = time.monotonic() + 120, None
+    while launcher is None and time.monotonic() < deadline:
+        for pid in tagged(proc.mark):  # this run's processes only
+            try:
+                cmdline = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
+                children = open(f"/proc/{pid}/task/{pid}/children").read().split()
+            except OSError:
+                continue
+            # the launcher, not `timeout`; with the resource tracker and at least one rank
+            if cmdline[1:2] == [script.encode()] and len(children) >= 2:
+                launcher = pid
+        time.sleep(0.2)
+    assert launcher, f"the {script} run never started its ranks"
+    time.sleep(2)
+    os.kill(launcher, signal.SIGKILL)
+
+
 @pytest.mark.learned  # one real FashionMNIST epoch: 0.82 on three kernel settings, the bar 0.5
-def test_run_all_passes_twice_in_a_row_and_names_every_script(tmp_path):
-    res = run_all(runs=tmp_path)
+def test_run_all_passes_then_goes_on_past_failed_and_killed_runs(tmp_path):
+    """The README's first command, where nvidia-smi lists a GPU that torch cannot see: one line
+    says so, and every run passes on the CPU. Then again in the same RUNS_DIR, where the last
+    run's checkpoints are: every run starts fresh; a run that fails, one that writes no metrics
+    and one whose launcher is killed (its ranks must go too) each fail their row, and the
+    others still run; exit 1."""
+    res = run_all(runs=tmp_path, env=fake_nvidia_smi(tmp_path))
+    assert res.stderr.startswith("run_all: nvidia-smi lists GPUs, torch ")
+    assert res.stderr.rstrip().endswith("; on CPU") and res.stderr.count("\n") == 1
     rows = table(res.stdout)
     launches = ["spawn", "torchrun", "spawn", "single", "spawn"]  # gather twice, then each once
     assert list(rows) == list(zip([SCRIPTS[0], *SCRIPTS], launches, strict=True)), res.stdout
@@ -70,65 +106,35 @@ def test_run_all_passes_twice_in_a_row_and_names_every_script(tmp_path):
     assert "test_accuracy" in fm
     if DEBIAN_FMNIST.is_dir():  # unzipped into ./data: real images, not random ones
         assert fm.endswith(", real data") and float(fm.split()[2].strip(",")) > 0.5, fm
+    dp = json.loads((tmp_path / "dp_resnet_single_1.json").read_text())
+    ips, loss = dp["images_per_sec"], dp["final_loss"]
+    assert (
+        rows["dp_resnet.py", "single"]["result"]
+        == f"ok: images_per_sec {ips:.4g}, final_loss {loss:.4g}"
+    )
     assert res.stdout.rstrip().endswith("run_all: all 5 runs passed")
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["epoch_1.pt", "epoch_2.pt"]
-    # again in the same RUNS_DIR, where the last run's checkpoints are: every run starts fresh
-    # (quick stand-ins that fail on a used checkpoint folder, as the real ResNets do)
-    copy_with(tmp_path / "again", ddp_gather=GATHER, ddp_fashionmnist=OK)
-    copy_with(tmp_path / "again", dp_resnet=FRESH, ddp_resnet=FRESH)
-    res = run_all(cwd=tmp_path / "again", runs=tmp_path, timeout=120)
-    assert res.stdout.rstrip().endswith("run_all: all 5 runs passed"), res.stdout
-
-
-def test_run_all_keeps_going_and_fails_when_a_run_fails(tmp_path):
-    (tmp_path / "bin").mkdir()
-    copy_with(tmp_path, ddp_gather=GATHER, ddp_fashionmnist="import sys\nsys.exit('boom')\n")
-    copy_with(tmp_path, dp_resnet=OK, ddp_resnet="import sys\n")  # exits 0, writes nothing
-    # and an nvidia-smi that lists a GPU torch cannot see (as a torch built for a newer driver)
-    smi = tmp_path / "bin" / "nvidia-smi"
-    smi.write_text("#!/bin/sh\necho 'GPU 0: NVIDIA H100 80GB HBM3 (UUID: GPU-0)'\n")
-    smi.chmod(0o755)
-    path = {"PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}"}
-    res = run_all(cwd=tmp_path, timeout=120, check=False, env=path)
+    # again: stand-ins, quick, except the FashionMNIST run, whose launcher is killed; the
+    # ResNets' stand-ins fail on a used checkpoint folder, as the real ResNets do
+    again = tmp_path / "again"
+    copy_with(again, ddp_gather=GATHER, ddp_fashionmnist=None)
+    # dp_resnet.py fails, ddp_resnet.py exits 0 but writes no metrics
+    copy_with(again, dp_resnet=FRESH + "sys.exit('boom')\n", ddp_resnet=FRESH)
+    env = {"RUNS_DIR": str(tmp_path), "PYTHON": sys.executable}
+    proc = start(["bash", str(again / "run_all.sh")], cwd=again, env=env)
+    kill_the_launcher(proc, "ddp_fashionmnist.py")
+    res = finish(proc, timeout=180, check=False)  # fails if any rank outlived its launcher
     assert res.returncode == 1, res.stdout + res.stderr
-    assert res.stderr.startswith("run_all: nvidia-smi lists GPUs, torch ")
-    assert res.stderr.rstrip().endswith("; on CPU") and res.stderr.count("\n") == 1
     rows = table(res.stdout)
     assert len(rows) == 5
-    assert rows["ddp_fashionmnist.py", "spawn"]["result"] == "FAILED (exit 1)"
-    assert "boom" in res.stdout  # the failed run's last lines
-    assert rows["ddp_resnet.py", "spawn"]["result"] == "FAILED (no metrics)"
-    assert rows["dp_resnet.py", "single"]["result"] == "ok: images_per_sec 12.5, final_loss 2"
     for launch in ("spawn", "torchrun"):
         assert rows["ddp_gather.py", launch]["result"] == "ok: gathered ranks [0, 1]"
-    assert res.stdout.rstrip().endswith("run_all: 2 of 5 runs FAILED")
-
-
-def test_a_killed_run_fails_its_row_and_leaves_no_process(tmp_path):
-    """SIGKILL the launcher process of one run: its ranks must go too, and run_all.sh exits 1."""
-    copy_with(tmp_path, ddp_gather=GATHER, ddp_fashionmnist=None, dp_resnet=OK, ddp_resnet=OK)
-    env = {"RUNS_DIR": str(tmp_path / "runs"), "PYTHON": sys.executable}
-    proc = start(["bash", str(tmp_path / "run_all.sh")], cwd=tmp_path, env=env)
-    deadline, launcher = time.monotonic() + 120, None
-    while launcher is None and time.monotonic() < deadline:
-        for pid in tagged(proc.mark):  # this run's processes only
-            try:
-                cmdline = open(f"/proc/{pid}/cmdline", "rb").read().split(b"\0")
-                children = open(f"/proc/{pid}/task/{pid}/children").read().split()
-            except OSError:
-                continue
-            # the launcher, not `timeout`; with the resource tracker and at least one rank
-            if cmdline[1:2] == [b"ddp_fashionmnist.py"] and len(children) >= 2:
-                launcher = pid
-        time.sleep(0.2)
-    assert launcher, "the FashionMNIST run never started its ranks"
-    time.sleep(2)
-    os.kill(launcher, signal.SIGKILL)
-    res = finish(proc, timeout=180, check=False)  # fails if any rank outlived its launcher
-    assert res.returncode == 1
-    rows = table(res.stdout)
     assert rows["ddp_fashionmnist.py", "spawn"]["result"] == "FAILED (exit 137)"
-    assert [r["result"].startswith("ok: ") for r in rows.values()].count(True) == 4  # went on
+    assert rows["dp_resnet.py", "single"]["result"] == "FAILED (exit 1)"  # went on
+    assert "boom" in res.stdout  # the failed run's last lines
+    assert "a used checkpoint folder" not in res.stdout
+    assert rows["ddp_resnet.py", "spawn"]["result"] == "FAILED (no metrics)"
+    assert res.stdout.rstrip().endswith("run_all: 3 of 5 runs FAILED")
 
 
 def test_an_unknown_option_is_one_line_and_exit_2():

@@ -27,7 +27,7 @@ def dark_and_bright(root, dark: int, bright: int, seed: int) -> None:
 @pytest.mark.learned
 def test_each_image_scored_once_at_any_world_size(tmp_path):
     """31 validation images on 3 ranks: every one scored once; the finished run resumed by one
-    process scores its newest checkpoint again, without training, to the same count."""
+    process says so, trains nothing and scores its newest checkpoint again, to the same count."""
     train, val, ckpt = tmp_path / "train", tmp_path / "val", tmp_path / "ckpt"
     dark_and_bright(train, 96, 96, seed=0)  # 16 steps an epoch, BatchNorm on 4 images a rank
     dark_and_bright(val, 15, 16, seed=1)
@@ -68,6 +68,10 @@ def test_each_image_scored_once_at_any_world_size(tmp_path):
     )  # then scored again
     scored = metrics(tmp_path / "1.json")
     assert (scored["world_size"], scored["epochs_run"]) == (1, 0)
+    # trains nothing: no loss, no checkpoint
+    assert res.stdout.splitlines()[-1] == (
+        f"done | epochs_run 0 | val_accuracy {scored['val_accuracy']:.4g}"
+    )
     assert (scored["val_correct"], scored["val_samples"]) == (trained["val_correct"], 31)
 
 
