@@ -221,6 +221,11 @@ def metrics(path) -> dict:
     return json.loads(Path(path).read_text())
 
 
+def recorded(out, ranks: int) -> list:
+    """What each process of a run through tests/recorded.py OUT wrote down, by rank."""
+    return [metrics(out.with_name(f"{out.name}.{r}.json")) for r in range(ranks)]
+
+
 TINY = ["--cpu", "--arch", "resnet18", "--image-size", 32]  # a ResNet that trains in seconds
 # resnet18 on 32 px synthetic images, 2 steps an epoch: the small DDP run most tests share
 RESNET = [*TINY, "--batch-size", 4, "--max-steps", 2, "--timeout", 60]

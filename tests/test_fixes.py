@@ -4,7 +4,6 @@ FashionMNIST. The runs go through tests/recorded.py, which records those inside 
 an unchanged script."""
 
 import http.server
-import json
 import os
 import socket
 import threading
@@ -20,16 +19,13 @@ from conftest import (
     last_line,
     metrics,
     python,
+    recorded,
     run,
     start,
     torchrun,
 )
 
 FM = ["--cpu", "--synthetic", "--epochs", 2, "--timeout", 60]
-
-
-def recorded(out, ranks: int) -> list:
-    return [json.loads(out.with_name(f"{out.name}.{r}.json").read_text()) for r in range(ranks)]
 
 
 @pytest.mark.learned  # rank 0's mean loss apart from both ranks' by far more than 1e-4

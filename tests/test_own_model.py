@@ -4,7 +4,6 @@ the loader workers, a validation set), and the copy launches, trains, validates 
 saves and resumes as the original does: to the bit of a run that was never stopped."""
 
 import difflib
-import json
 import shutil
 import sys
 
@@ -17,6 +16,7 @@ from conftest import (
     last_line,
     metrics,
     python,
+    recorded,
     run,
     same_weights,
 )
@@ -100,16 +100,14 @@ def test_dataparallel_copy_resumes_to_the_bit_with_augmentation_and_dropout(tmp_
     script, _ = own_copy(tmp_path, "dp_resnet.py", DP_OWN)
     flags = ["--cpu", "--batch-size", 5, "--workers", 1, "--epochs", 2]
     first, unbroken = tmp_path / "first", tmp_path / "unbroken"
-    recorded = ["tests/recorded.py", tmp_path / "unbroken.rec", script, *flags]
-    run(python(*recorded, "--ckpt-dir", unbroken), timeout=180, env=ONE_THREAD)
+    unbroken_run = python("tests/recorded.py", tmp_path / "unbroken.rec", script, *flags)
+    run([*unbroken_run, "--ckpt-dir", unbroken], timeout=180, env=ONE_THREAD)
     first.mkdir()  # as if stopped after epoch 1
     shutil.copy(unbroken / "epoch_1.pt", first)
-    recorded[1] = tmp_path / "first.rec"
-    run(python(*recorded, "--ckpt-dir", first, "--resume"), timeout=120, env=ONE_THREAD)
+    resumed_run = python("tests/recorded.py", tmp_path / "first.rec", script, *flags)
+    run([*resumed_run, "--ckpt-dir", first, "--resume"], timeout=120, env=ONE_THREAD)
     same_weights(unbroken / "epoch_2.pt", first / "epoch_2.pt")
-    whole, resumed = (
-        json.loads((tmp_path / f"{name}.rec.0.json").read_text()) for name in ("unbroken", "first")
-    )
+    whole, resumed = (recorded(tmp_path / f"{name}.rec", 1)[0] for name in ("unbroken", "first"))
     assert len(whole["draws"]) == 2 and whole["draws"][0] != whole["draws"][1]
     assert sorted(whole["draws"][0]) == sorted(whole["draws"][1]) == list(range(60))
     assert resumed["draws"] == whole["draws"][1:]

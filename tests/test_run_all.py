@@ -1,7 +1,6 @@
 """run_all.sh: runs every script, prints one summary table, fails when a run fails, leaves no
 process behind, and runs again in the same RUNS_DIR."""
 
-import json
 import os
 import shutil
 import signal
@@ -10,7 +9,7 @@ import time
 
 import pytest
 
-from conftest import DEBIAN_FMNIST, ROOT, finish, run, start, tagged
+from conftest import DEBIAN_FMNIST, ROOT, finish, metrics, run, start, tagged
 
 SCRIPTS = ["ddp_gather.py", "ddp_fashionmnist.py", "dp_resnet.py", "ddp_resnet.py"]
 COLUMNS = ["script", "launch", "world", "backend", "seconds", "result"]
@@ -27,9 +26,10 @@ FRESH = (
 )
 
 
-def run_all(*args, cwd=ROOT, runs=None, timeout=400, check=True, env=None):
-    env = {"RUNS_DIR": str(runs or cwd / "runs"), "PYTHON": sys.executable, **(env or {})}
-    return run(["bash", str(cwd / "run_all.sh"), *args], timeout, cwd=cwd, env=env, check=check)
+def start_run_all(cwd, runs, env=None):
+    """bash run_all.sh in `cwd`, with its logs, metrics and checkpoints in `runs`."""
+    env = {"RUNS_DIR": str(runs), "PYTHON": sys.executable, **(env or {})}
+    return start(["bash", str(cwd / "run_all.sh")], cwd=cwd, env=env)
 
 
 def table(stdout: str) -> dict:
@@ -90,7 +90,7 @@ def test_run_all_passes_then_goes_on_past_failed_and_killed_runs(tmp_path):
     run's checkpoints are: every run starts fresh; a run that fails, one that writes no metrics
     and one whose launcher is killed (its ranks must go too) each fail their row, and the
     others still run; exit 1."""
-    res = run_all(runs=tmp_path, env=fake_nvidia_smi(tmp_path))
+    res = finish(start_run_all(ROOT, tmp_path, fake_nvidia_smi(tmp_path)), timeout=400)
     assert res.stderr.startswith("run_all: nvidia-smi lists GPUs, torch ")
     assert res.stderr.rstrip().endswith("; on CPU") and res.stderr.count("\n") == 1
     rows = table(res.stdout)
@@ -106,7 +106,7 @@ def test_run_all_passes_then_goes_on_past_failed_and_killed_runs(tmp_path):
     assert "test_accuracy" in fm
     if DEBIAN_FMNIST.is_dir():  # unzipped into ./data: real images, not random ones
         assert fm.endswith(", real data") and float(fm.split()[2].strip(",")) > 0.5, fm
-    dp = json.loads((tmp_path / "dp_resnet_single_1.json").read_text())
+    dp = metrics(tmp_path / "dp_resnet_single_1.json")
     ips, loss = dp["images_per_sec"], dp["final_loss"]
     assert (
         rows["dp_resnet.py", "single"]["result"]
@@ -120,8 +120,7 @@ def test_run_all_passes_then_goes_on_past_failed_and_killed_runs(tmp_path):
     copy_with(again, ddp_gather=GATHER, ddp_fashionmnist=None)
     # dp_resnet.py fails, ddp_resnet.py exits 0 but writes no metrics
     copy_with(again, dp_resnet=FRESH + "sys.exit('boom')\n", ddp_resnet=FRESH)
-    env = {"RUNS_DIR": str(tmp_path), "PYTHON": sys.executable}
-    proc = start(["bash", str(again / "run_all.sh")], cwd=again, env=env)
+    proc = start_run_all(again, tmp_path)
     kill_the_launcher(proc, "ddp_fashionmnist.py")
     res = finish(proc, timeout=180, check=False)  # fails if any rank outlived its launcher
     assert res.returncode == 1, res.stdout + res.stderr
