@@ -36,17 +36,18 @@ def ddp_setup(local_rank, args):
     # --timeout: a collective that waits longer than this for another rank fails, so
     # a lost rank ends the job instead of hanging it
     timeout = timedelta(seconds=args.timeout)
-    # device_id (optional, GPUs only): NCCL binds this rank to its GPU now, rather
-    # than at the first collective
+    # device_id (optional, GPUs only): NCCL sets up on this rank's GPU now, not at
+    # the first collective, so an NCCL or GPU error shows here, at the start
     kwargs = dict(timeout=timeout, device_id=device if cuda else None)
     # Started by torchrun: RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set, and
     # init_process_group reads them (its default, env://). A variable set but empty
     # (RANK=$(cmd) where cmd failed) counts as unset.
     if not os.environ.get("RANK"):
         # fixed: the tutorial meets on a hard-coded MASTER_PORT that another run can
-        # take. Here launch(), below, spawned us: it opened a TCPStore (the key-value
-        # server where the ranks meet) on a free port, put the port in MASTER_PORT,
-        # and holds it until the end. Each rank joins the store as a client, with its
+        # take. Here launch(), below, spawned us. Ranks always meet in a TCPStore, a
+        # key-value server: env:// has rank 0 open one on MASTER_PORT. launch() has
+        # opened ours on a free port (now in MASTER_PORT) and holds it until the end.
+        # Each rank joins it as a client and hands it to init_process_group, with its
         # spawn index as its rank.
         port = int(os.environ["MASTER_PORT"])
         store = dist.TCPStore("127.0.0.1", port, timeout=timeout)
@@ -137,8 +138,9 @@ def launch(main, args):
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         # fixed: not a hard-coded 12355: MASTER_PORT if set, else port 0, which
         # asks the system for a free one. The store (is_master: the server) holds the
-        # port until the end, so a second run on it is refused at once. It listens on
-        # every address here; the ranks, all on this machine, dial it at 127.0.0.1.
+        # port until the end, so a second run on it is refused at once. The server
+        # listens on every address here, whatever the host; 127.0.0.1 is where its
+        # clients dial it: this process's own, and the ranks', all on this machine.
         port = int(os.environ.get("MASTER_PORT") or 0)
         timeout = timedelta(seconds=args.timeout)
         try:
@@ -149,9 +151,9 @@ def launch(main, args):
                 f"error: {e}; unset MASTER_PORT for a free port, or choose another"
             )
         os.environ["MASTER_PORT"] = str(store.port)
-        # Ctrl-C (SIGINT) raises KeyboardInterrupt here and in each rank, even where
-        # it was ignored: a shell script's `cmd &` starts cmd so, and the ranks would
-        # inherit that. (mp.spawn also has Linux send a rank SIGINT if we die.)
+        # Ctrl-C (SIGINT) raises KeyboardInterrupt here and in each rank. In a shell
+        # script, `cmd &` starts cmd with Ctrl-C ignored, and the ranks would inherit
+        # that; this line undoes it.
         signal.signal(signal.SIGINT, signal.default_int_handler)
         # SIGTERM (kill, a job scheduler): terminate_ranks(), below, passes it on
         signal.signal(signal.SIGTERM, terminate_ranks)
@@ -172,7 +174,8 @@ def launch(main, args):
 
 def terminate_ranks(*_):
     """SIGTERM to the launcher: passed on to each rank; then we end as on Ctrl-C."""
-    # once: a second SIGTERM to each rank would interrupt its `finally:` blocks
+    # Once: a second SIGTERM to this launcher would run this function again, and a
+    # second SIGTERM to a rank would interrupt its `finally:` blocks
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for process in mp.active_children():
         process.terminate()

@@ -46,17 +46,18 @@ def ddp_setup(local_rank, args):
     # --timeout: a collective that waits longer than this for another rank fails, so
     # a lost rank ends the job instead of hanging it
     timeout = timedelta(seconds=args.timeout)
-    # device_id (optional, GPUs only): NCCL binds this rank to its GPU now, rather
-    # than at the first collective
+    # device_id (optional, GPUs only): NCCL sets up on this rank's GPU now, not at
+    # the first collective, so an NCCL or GPU error shows here, at the start
     kwargs = dict(timeout=timeout, device_id=device if cuda else None)
     # Started by torchrun: RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT are set, and
     # init_process_group reads them (its default, env://). A variable set but empty
     # (RANK=$(cmd) where cmd failed) counts as unset.
     if not os.environ.get("RANK"):
         # fixed: the tutorial meets on a hard-coded MASTER_PORT that another run can
-        # take. Here launch(), below, spawned us: it opened a TCPStore (the key-value
-        # server where the ranks meet) on a free port, put the port in MASTER_PORT,
-        # and holds it until the end. Each rank joins the store as a client, with its
+        # take. Here launch(), below, spawned us. Ranks always meet in a TCPStore, a
+        # key-value server: env:// has rank 0 open one on MASTER_PORT. launch() has
+        # opened ours on a free port (now in MASTER_PORT) and holds it until the end.
+        # Each rank joins it as a client and hands it to init_process_group, with its
         # spawn index as its rank.
         port = int(os.environ["MASTER_PORT"])
         store = dist.TCPStore("127.0.0.1", port, timeout=timeout)
@@ -124,8 +125,9 @@ def prepare_dataloader(train_set, device, args):
     # Not a part of DDP; it matters with --workers above 0 (the default with GPUs).
     # Loader workers then start from a forkserver, not as forks of this rank: a fork
     # of a process that runs gloo's or NCCL's threads can hang on a lock one of them
-    # held. force=True: the start method of this rank, whose only children are its
-    # loader workers. The forkserver imports torchvision once, for all of them.
+    # held. Set for this whole process, so evaluate's loader uses it too. force=True:
+    # a spawned rank has a start method set already (its launcher's, fork).
+    # The forkserver imports torchvision once, for all the workers.
     mp.set_forkserver_preload(["torchvision"])
     mp.set_start_method("forkserver", force=True)
     return DataLoader(
@@ -145,11 +147,13 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
     its speed."""
     # fixed: without set_epoch every epoch has the same order
     dataloader.sampler.set_epoch(epoch)
-    # Reseeded per rank and epoch: each rank draws its own random numbers (its loader
-    # workers' seeds; the dropout or augmentation of a model or data of your own,
-    # which this ResNet lacks), and a resumed run draws what an unbroken run drew.
-    # The sampler's order has its own seed. hash() of a tuple of ints is the same in
-    # every process, and manual_seed takes any 64-bit number, negative ones too.
+    # A seed for this rank and epoch, so that:
+    # - each rank draws its own random numbers (its loader workers' seeds, and the
+    #   dropout or augmentation of a model or data of your own; this ResNet has none);
+    # - a resumed run draws what an unbroken run drew.
+    # The sampler's order has a seed of its own. Python randomizes the hash() of a
+    # string in each process, but not of ints: a tuple of ints hashes the same in
+    # every run. manual_seed takes any 64-bit number, negative ones too.
     torch.manual_seed(hash((args.seed, epoch, dist.get_rank())))
     global_batch = args.batch_size * dist.get_world_size()
     # summed on the device: .item() at every step would wait for it
@@ -196,10 +200,11 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
 def evaluate(model, val_set, device, args):
     """Top-1 accuracy, each image once: a DistributedSampler would pad the shares to
     equal length with repeated images."""
-    # BatchNorm's running statistics (buffers) learn from each rank's own batches.
-    # DDP copies rank 0's to every rank at the start of each forward (its option
-    # broadcast_buffers, on by default), so after the last step the ranks' differ.
-    # Copy rank 0's, the ones saved, so that every rank scores the same model.
+    # BatchNorm's running statistics (buffers): DDP copies rank 0's to every rank at
+    # the start of each forward (its option broadcast_buffers, on by default), then
+    # each rank's forward updates its own from its own batch. So after the last step
+    # the ranks' differ. Copy rank 0's, the ones saved, so that every rank scores the
+    # same model.
     # (model.module: the model inside DDP.)
     for buffer in model.module.buffers():
         dist.broadcast(buffer, src=0)
@@ -209,8 +214,9 @@ def evaluate(model, val_set, device, args):
     counts = torch.zeros(2, dtype=torch.int64, device=device)
     model.eval()
     for images, labels in DataLoader(share, args.batch_size, num_workers=args.workers):
-        # model.module, not DDP's forward: that broadcast is a collective, which every
-        # rank must join, but a rank with a batch more would call it alone and hang
+        # model.module, not DDP's forward: that can broadcast the buffers (even here,
+        # in eval mode without gradients), a collective that every rank must join. The
+        # ranks' shares can differ by a batch: one rank would call it alone, and hang.
         with torch.autocast(device.type, torch.bfloat16, enabled=args.amp):
             logits = model.module(images.to(device, memory_format=args.memory_format))
         counts[0] += (logits.argmax(1) == labels.to(device)).sum()
@@ -397,8 +403,9 @@ def launch(main, args):
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         # fixed: not a hard-coded 12355: MASTER_PORT if set, else port 0, which
         # asks the system for a free one. The store (is_master: the server) holds the
-        # port until the end, so a second run on it is refused at once. It listens on
-        # every address here; the ranks, all on this machine, dial it at 127.0.0.1.
+        # port until the end, so a second run on it is refused at once. The server
+        # listens on every address here, whatever the host; 127.0.0.1 is where its
+        # clients dial it: this process's own, and the ranks', all on this machine.
         port = int(os.environ.get("MASTER_PORT") or 0)
         timeout = timedelta(seconds=args.timeout)
         try:
@@ -409,9 +416,9 @@ def launch(main, args):
                 f"error: {e}; unset MASTER_PORT for a free port, or choose another"
             )
         os.environ["MASTER_PORT"] = str(store.port)
-        # Ctrl-C (SIGINT) raises KeyboardInterrupt here and in each rank, even where
-        # it was ignored: a shell script's `cmd &` starts cmd so, and the ranks would
-        # inherit that. (mp.spawn also has Linux send a rank SIGINT if we die.)
+        # Ctrl-C (SIGINT) raises KeyboardInterrupt here and in each rank. In a shell
+        # script, `cmd &` starts cmd with Ctrl-C ignored, and the ranks would inherit
+        # that; this line undoes it.
         signal.signal(signal.SIGINT, signal.default_int_handler)
         # SIGTERM (kill, a job scheduler): terminate_ranks(), below, passes it on
         signal.signal(signal.SIGTERM, terminate_ranks)
@@ -432,7 +439,8 @@ def launch(main, args):
 
 def terminate_ranks(*_):
     """SIGTERM to the launcher: passed on to each rank; then we end as on Ctrl-C."""
-    # once: a second SIGTERM to each rank would interrupt its `finally:` blocks
+    # Once: a second SIGTERM to this launcher would run this function again, and a
+    # second SIGTERM to a rank would interrupt its `finally:` blocks
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for process in mp.active_children():
         process.terminate()
@@ -489,9 +497,9 @@ def check_args(args):
     try:
         train_set, _, num_classes = load_datasets(args)
     except (OSError, ValueError) as e:
-        # Whose folder failed? Load --data alone: if that fails, --data's; else
-        # --val-data's, where given. (With neither, as in a copy with data of its own,
-        # the error alone.)
+        # Which flag to name: load --data's folder alone (ImageFolder's faults are
+        # all OSErrors). If that fails, --data; else --val-data, if given. A copy with
+        # data of its own has neither flag, and prints the error alone.
         try:
             if args.data:
                 datasets.ImageFolder(args.data)
