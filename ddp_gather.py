@@ -43,12 +43,13 @@ def ddp_setup(local_rank, args):
     # init_process_group reads them (its default, env://). A variable set but empty
     # (RANK=$(cmd) where cmd failed) counts as unset.
     if not os.environ.get("RANK"):
-        # fixed: the tutorial meets on a hard-coded MASTER_PORT that another run can
-        # take. Here launch(), below, spawned us. Ranks always meet in a TCPStore, a
-        # key-value server: env:// has rank 0 open one on MASTER_PORT. launch() has
-        # opened ours on a free port (now in MASTER_PORT) and holds it until the end.
-        # Each rank joins it as a client and hands it to init_process_group, with its
-        # spawn index as its rank.
+        # fixed: the tutorial's ranks meet on a hard-coded MASTER_PORT that another
+        # run can take. Ranks meet in a TCPStore, a key-value server, which env://
+        # has rank 0 open on MASTER_PORT. Here launch(), below, spawned us: it holds
+        # a free port (now in MASTER_PORT) with a TCPStore of its own, so rank 0
+        # cannot open one there. Each rank joins launch()'s store as a client
+        # (is_master is False by default) and hands it to init_process_group, with
+        # its spawn index as its rank.
         port = int(os.environ["MASTER_PORT"])
         store = dist.TCPStore("127.0.0.1", port, timeout=timeout)
         kwargs.update(store=store, rank=local_rank, world_size=args.nprocs)
@@ -62,7 +63,8 @@ def ddp_setup(local_rank, args):
             " elsewhere: set WORLD_SIZE, MASTER_ADDR and MASTER_PORT too, or unset RANK"
         )
     # SIGTERM (how launch() and torchrun stop the ranks) now raises KeyboardInterrupt,
-    # as Ctrl-C does, so clean-up runs: `finally:` blocks, such as save_model's
+    # as Ctrl-C does, so clean-up in `finally:` blocks runs (in ddp_resnet.py:
+    # save_model removes a half-written checkpoint)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     return device
 
@@ -73,8 +75,9 @@ def main(local_rank, args):
     world_size = dist.get_world_size()
     tensor = torch.ones(3, device=device) + rank
     data = {
-        # to the CPU: a GPU tensor is pickled with its device, and would unpickle
-        # onto the sender's GPU number in every rank
+        # to the CPU, where the tutorial sends it from its GPU: a GPU tensor is
+        # pickled with its device, and would unpickle onto the sender's GPU number in
+        # every rank
         "tensor": tensor.cpu(),
         # fixed: the tutorial's [1, 2, 3] + rank fails
         "list": [x + rank for x in [1, 2, 3]],
@@ -139,8 +142,8 @@ def launch(main, args):
         # fixed: not a hard-coded 12355: MASTER_PORT if set, else port 0, which
         # asks the system for a free one. The store (is_master: the server) holds the
         # port until the end, so a second run on it is refused at once. The server
-        # listens on every address here, whatever the host; 127.0.0.1 is where its
-        # clients dial it: this process's own, and the ranks', all on this machine.
+        # listens on all of this machine's addresses; "127.0.0.1" is only where its
+        # clients dial it: the ranks, and this TCPStore object, which is a client too.
         port = int(os.environ.get("MASTER_PORT") or 0)
         timeout = timedelta(seconds=args.timeout)
         try:
@@ -151,9 +154,10 @@ def launch(main, args):
                 f"error: {e}; unset MASTER_PORT for a free port, or choose another"
             )
         os.environ["MASTER_PORT"] = str(store.port)
-        # Ctrl-C (SIGINT) raises KeyboardInterrupt here and in each rank. In a shell
-        # script, `cmd &` starts cmd with Ctrl-C ignored, and the ranks would inherit
-        # that; this line undoes it.
+        # Ctrl-C (SIGINT) raises KeyboardInterrupt here and in each rank. A shell
+        # script's `cmd &` starts cmd with SIGINT ignored. An ignored signal stays
+        # ignored in the processes a process starts, but a handler does not: with
+        # this one, the ranks start with Python's usual Ctrl-C.
         signal.signal(signal.SIGINT, signal.default_int_handler)
         # SIGTERM (kill, a job scheduler): terminate_ranks(), below, passes it on
         signal.signal(signal.SIGTERM, terminate_ranks)
@@ -168,14 +172,15 @@ def launch(main, args):
     except (mp.ProcessRaisedException, OSError, dist.DistError) as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
-        # Ctrl-C, which every rank got too, or SIGTERM
+        # Ctrl-C, which every rank got too, or SIGTERM: 130, the shell's code for a
+        # Ctrl-C (128 + SIGINT's number, 2)
         sys.exit(130)
 
 
 def terminate_ranks(*_):
     """SIGTERM to the launcher: passed on to each rank; then we end as on Ctrl-C."""
-    # Once: a second SIGTERM to this launcher would run this function again, and a
-    # second SIGTERM to a rank would interrupt its `finally:` blocks
+    # Ignore further SIGTERMs to this launcher: each would run this function again,
+    # and send every rank another SIGTERM, which would interrupt its clean-up
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for process in mp.active_children():
         process.terminate()

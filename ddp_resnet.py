@@ -53,12 +53,13 @@ def ddp_setup(local_rank, args):
     # init_process_group reads them (its default, env://). A variable set but empty
     # (RANK=$(cmd) where cmd failed) counts as unset.
     if not os.environ.get("RANK"):
-        # fixed: the tutorial meets on a hard-coded MASTER_PORT that another run can
-        # take. Here launch(), below, spawned us. Ranks always meet in a TCPStore, a
-        # key-value server: env:// has rank 0 open one on MASTER_PORT. launch() has
-        # opened ours on a free port (now in MASTER_PORT) and holds it until the end.
-        # Each rank joins it as a client and hands it to init_process_group, with its
-        # spawn index as its rank.
+        # fixed: the tutorial's ranks meet on a hard-coded MASTER_PORT that another
+        # run can take. Ranks meet in a TCPStore, a key-value server, which env://
+        # has rank 0 open on MASTER_PORT. Here launch(), below, spawned us: it holds
+        # a free port (now in MASTER_PORT) with a TCPStore of its own, so rank 0
+        # cannot open one there. Each rank joins launch()'s store as a client
+        # (is_master is False by default) and hands it to init_process_group, with
+        # its spawn index as its rank.
         port = int(os.environ["MASTER_PORT"])
         store = dist.TCPStore("127.0.0.1", port, timeout=timeout)
         kwargs.update(store=store, rank=local_rank, world_size=args.nprocs)
@@ -72,7 +73,8 @@ def ddp_setup(local_rank, args):
             " elsewhere: set WORLD_SIZE, MASTER_ADDR and MASTER_PORT too, or unset RANK"
         )
     # SIGTERM (how launch() and torchrun stop the ranks) now raises KeyboardInterrupt,
-    # as Ctrl-C does, so clean-up runs: `finally:` blocks, such as save_model's
+    # as Ctrl-C does, so clean-up in `finally:` blocks runs (in ddp_resnet.py:
+    # save_model removes a half-written checkpoint)
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     return device
 
@@ -97,7 +99,8 @@ def load_datasets(args):
         train = datasets.ImageFolder(args.data, transform=preprocess)
     else:
         # 256 random images, one per class, each 50 times: 12,800 that a model can
-        # learn and nothing to decode, the same in every rank (all seed with --seed)
+        # learn and no files to decode; the same in every rank, as each calls
+        # torch.manual_seed(args.seed) first
         images = TensorDataset(torch.randn(256, 3, size, size), torch.arange(256))
         train = Subset(images, [i % 256 for i in range(12800)])
         # the class names, as an ImageFolder has them
@@ -126,8 +129,8 @@ def prepare_dataloader(train_set, device, args):
     # Loader workers then start from a forkserver, not as forks of this rank: a fork
     # of a process that runs gloo's or NCCL's threads can hang on a lock one of them
     # held. Set for this whole process, so evaluate's loader uses it too. force=True:
-    # a spawned rank has a start method set already (its launcher's, fork).
-    # The forkserver imports torchvision once, for all the workers.
+    # replace the start method this process already has (a spawned rank inherits its
+    # launcher's). The forkserver imports torchvision once, for all the workers.
     mp.set_forkserver_preload(["torchvision"])
     mp.set_start_method("forkserver", force=True)
     return DataLoader(
@@ -147,13 +150,12 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
     its speed."""
     # fixed: without set_epoch every epoch has the same order
     dataloader.sampler.set_epoch(epoch)
-    # A seed for this rank and epoch, so that:
-    # - each rank draws its own random numbers (its loader workers' seeds, and the
-    #   dropout or augmentation of a model or data of your own; this ResNet has none);
-    # - a resumed run draws what an unbroken run drew.
-    # The sampler's order has a seed of its own. Python randomizes the hash() of a
-    # string in each process, but not of ints: a tuple of ints hashes the same in
-    # every run. manual_seed takes any 64-bit number, negative ones too.
+    # A seed for each rank and epoch: the ranks then draw different random numbers
+    # (loader-worker seeds, and the dropout or augmentation that a model or data of
+    # your own may have), and a resumed run draws what an unbroken run drew. The
+    # sampler shuffles with a seed of its own. hash() of a tuple of ints is the same
+    # in every run (only str and bytes hashes depend on PYTHONHASHSEED);
+    # manual_seed takes it even when negative.
     torch.manual_seed(hash((args.seed, epoch, dist.get_rank())))
     global_batch = args.batch_size * dist.get_world_size()
     # summed on the device: .item() at every step would wait for it
@@ -200,11 +202,10 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
 def evaluate(model, val_set, device, args):
     """Top-1 accuracy, each image once: a DistributedSampler would pad the shares to
     equal length with repeated images."""
-    # BatchNorm's running statistics (buffers): DDP copies rank 0's to every rank at
-    # the start of each forward (its option broadcast_buffers, on by default), then
-    # each rank's forward updates its own from its own batch. So after the last step
-    # the ranks' differ. Copy rank 0's, the ones saved, so that every rank scores the
-    # same model.
+    # Every rank scores the same model: rank 0's, the one saved. BatchNorm's running
+    # statistics (buffers) differ between the ranks now: DDP copies rank 0's to the
+    # others at the start of each forward (broadcast_buffers, on by default), but
+    # that forward then updates each rank's from its own batch. So copy rank 0's.
     # (model.module: the model inside DDP.)
     for buffer in model.module.buffers():
         dist.broadcast(buffer, src=0)
@@ -404,8 +405,8 @@ def launch(main, args):
         # fixed: not a hard-coded 12355: MASTER_PORT if set, else port 0, which
         # asks the system for a free one. The store (is_master: the server) holds the
         # port until the end, so a second run on it is refused at once. The server
-        # listens on every address here, whatever the host; 127.0.0.1 is where its
-        # clients dial it: this process's own, and the ranks', all on this machine.
+        # listens on all of this machine's addresses; "127.0.0.1" is only where its
+        # clients dial it: the ranks, and this TCPStore object, which is a client too.
         port = int(os.environ.get("MASTER_PORT") or 0)
         timeout = timedelta(seconds=args.timeout)
         try:
@@ -416,9 +417,10 @@ def launch(main, args):
                 f"error: {e}; unset MASTER_PORT for a free port, or choose another"
             )
         os.environ["MASTER_PORT"] = str(store.port)
-        # Ctrl-C (SIGINT) raises KeyboardInterrupt here and in each rank. In a shell
-        # script, `cmd &` starts cmd with Ctrl-C ignored, and the ranks would inherit
-        # that; this line undoes it.
+        # Ctrl-C (SIGINT) raises KeyboardInterrupt here and in each rank. A shell
+        # script's `cmd &` starts cmd with SIGINT ignored. An ignored signal stays
+        # ignored in the processes a process starts, but a handler does not: with
+        # this one, the ranks start with Python's usual Ctrl-C.
         signal.signal(signal.SIGINT, signal.default_int_handler)
         # SIGTERM (kill, a job scheduler): terminate_ranks(), below, passes it on
         signal.signal(signal.SIGTERM, terminate_ranks)
@@ -433,14 +435,15 @@ def launch(main, args):
     except (mp.ProcessRaisedException, OSError, dist.DistError) as e:
         sys.exit(f"error: {e}")
     except KeyboardInterrupt:
-        # Ctrl-C, which every rank got too, or SIGTERM
+        # Ctrl-C, which every rank got too, or SIGTERM: 130, the shell's code for a
+        # Ctrl-C (128 + SIGINT's number, 2)
         sys.exit(130)
 
 
 def terminate_ranks(*_):
     """SIGTERM to the launcher: passed on to each rank; then we end as on Ctrl-C."""
-    # Once: a second SIGTERM to this launcher would run this function again, and a
-    # second SIGTERM to a rank would interrupt its `finally:` blocks
+    # Ignore further SIGTERMs to this launcher: each would run this function again,
+    # and send every rank another SIGTERM, which would interrupt its clean-up
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for process in mp.active_children():
         process.terminate()
@@ -497,9 +500,9 @@ def check_args(args):
     try:
         train_set, _, num_classes = load_datasets(args)
     except (OSError, ValueError) as e:
-        # Which flag to name: load --data's folder alone (ImageFolder's faults are
-        # all OSErrors). If that fails, --data; else --val-data, if given. A copy with
-        # data of its own has neither flag, and prints the error alone.
+        # Which flag's folder failed? Load --data's alone (ImageFolder's faults are
+        # all OSErrors): if that fails too, it was --data; otherwise --val-data, if
+        # given. A copy that loads data of its own has neither flag: the error alone.
         try:
             if args.data:
                 datasets.ImageFolder(args.data)
