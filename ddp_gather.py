@@ -44,12 +44,10 @@ def ddp_setup(local_rank, args):
     # (RANK=$(cmd) where cmd failed) counts as unset.
     if not os.environ.get("RANK"):
         # fixed: the tutorial's ranks meet on a hard-coded MASTER_PORT that another
-        # run can take. Ranks meet in a TCPStore, a key-value server, which env://
-        # has rank 0 open on MASTER_PORT. Here launch(), below, spawned us: it holds
-        # a free port (now in MASTER_PORT) with a TCPStore of its own, so rank 0
-        # cannot open one there. Each rank joins launch()'s store as a client
-        # (is_master is False by default) and hands it to init_process_group, with
-        # its spawn index as its rank.
+        # run can take. launch(), below, spawned us: it holds a free port (now in
+        # MASTER_PORT) with a TCPStore, the key-value server in which ranks meet.
+        # (env:// would have rank 0 open that server, on a port now taken.) Each
+        # rank joins launch()'s store as a client and hands it to init_process_group.
         port = int(os.environ["MASTER_PORT"])
         store = dist.TCPStore("127.0.0.1", port, timeout=timeout)
         kwargs.update(store=store, rank=local_rank, world_size=args.nprocs)
@@ -141,9 +139,8 @@ def launch(main, args):
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         # fixed: not a hard-coded 12355: MASTER_PORT if set, else port 0, which
         # asks the system for a free one. The store (is_master: the server) holds the
-        # port until the end, so a second run on it is refused at once. The server
-        # listens on all of this machine's addresses; "127.0.0.1" is only where its
-        # clients dial it: the ranks, and this TCPStore object, which is a client too.
+        # port until the end, so a second run on it is refused at once. The ranks,
+        # all on this machine, dial it at 127.0.0.1.
         port = int(os.environ.get("MASTER_PORT") or 0)
         timeout = timedelta(seconds=args.timeout)
         try:

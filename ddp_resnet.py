@@ -1,7 +1,8 @@
 """DDP ResNet (AIME part 2, the DDP tutorial's checkpoints): rank 0 saves, all reload.
 
     python ddp_resnet.py          # one process per GPU, or 2 CPU processes
-    # or let torchrun start the processes (also on several machines; see launch()):
+    # or let torchrun, PyTorch's launcher, start the processes (--standalone: on
+    # this machine alone; it also runs on several machines, see launch()):
     torchrun --standalone --nproc-per-node=2 ddp_resnet.py --cpu --arch resnet18
     # a run of seconds on a CPU:
     python ddp_resnet.py --cpu --arch resnet18 --image-size 32 --epochs 2 --max-steps 3
@@ -54,12 +55,10 @@ def ddp_setup(local_rank, args):
     # (RANK=$(cmd) where cmd failed) counts as unset.
     if not os.environ.get("RANK"):
         # fixed: the tutorial's ranks meet on a hard-coded MASTER_PORT that another
-        # run can take. Ranks meet in a TCPStore, a key-value server, which env://
-        # has rank 0 open on MASTER_PORT. Here launch(), below, spawned us: it holds
-        # a free port (now in MASTER_PORT) with a TCPStore of its own, so rank 0
-        # cannot open one there. Each rank joins launch()'s store as a client
-        # (is_master is False by default) and hands it to init_process_group, with
-        # its spawn index as its rank.
+        # run can take. launch(), below, spawned us: it holds a free port (now in
+        # MASTER_PORT) with a TCPStore, the key-value server in which ranks meet.
+        # (env:// would have rank 0 open that server, on a port now taken.) Each
+        # rank joins launch()'s store as a client and hands it to init_process_group.
         port = int(os.environ["MASTER_PORT"])
         store = dist.TCPStore("127.0.0.1", port, timeout=timeout)
         kwargs.update(store=store, rank=local_rank, world_size=args.nprocs)
@@ -126,11 +125,10 @@ def prepare_dataloader(train_set, device, args):
     # each rank its own shuffled share of the data
     sampler = DistributedSampler(train_set, seed=args.seed)
     # Not a part of DDP; it matters with --workers above 0 (the default with GPUs).
-    # Loader workers then start from a forkserver, not as forks of this rank: a fork
-    # of a process that runs gloo's or NCCL's threads can hang on a lock one of them
-    # held. Set for this whole process, so evaluate's loader uses it too. force=True:
-    # replace the start method this process already has (a spawned rank inherits its
-    # launcher's). The forkserver imports torchvision once, for all the workers.
+    # A fork of this rank, which runs gloo's or NCCL's threads, can hang on a lock
+    # one of them held. So loader workers, here and in evaluate, start from a
+    # forkserver: a clean process that imports torchvision once, then forks them.
+    # force=True: mp.spawn gave this rank its launcher's start method already.
     mp.set_forkserver_preload(["torchvision"])
     mp.set_start_method("forkserver", force=True)
     return DataLoader(
@@ -150,12 +148,10 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
     its speed."""
     # fixed: without set_epoch every epoch has the same order
     dataloader.sampler.set_epoch(epoch)
-    # A seed for each rank and epoch: the ranks then draw different random numbers
-    # (loader-worker seeds, and the dropout or augmentation that a model or data of
-    # your own may have), and a resumed run draws what an unbroken run drew. The
-    # sampler shuffles with a seed of its own. hash() of a tuple of ints is the same
-    # in every run (only str and bytes hashes depend on PYTHONHASHSEED);
-    # manual_seed takes it even when negative.
+    # Each rank and epoch its own seed: the ranks draw different random numbers
+    # (loader-worker seeds; dropout or augmentation, in a model or data of your own),
+    # and a resumed run draws what an unbroken run drew. hash() of ints does not
+    # depend on PYTHONHASHSEED: the same seed in every run.
     torch.manual_seed(hash((args.seed, epoch, dist.get_rank())))
     global_batch = args.batch_size * dist.get_world_size()
     # summed on the device: .item() at every step would wait for it
@@ -360,8 +356,8 @@ def run_training_process_on_given_gpu(local_rank, args):
         dist.destroy_process_group()
     except RuntimeError as e:
         # A collective whose peer died raises this (the three phrases are gloo's and
-        # NCCL's for a lost connection). This rank waits 3 s before it fails, so that
-        # mp.spawn sees the peer's death first and reports that rank, the cause.
+        # NCCL's for a lost connection). This rank waits 3 s before it fails: mp.spawn
+        # reports the first rank to end, and that should be the peer, the cause.
         if any(w in str(e) for w in ("by peer", "Broken pipe", "remote process")):
             time.sleep(3)
         raise
@@ -404,9 +400,8 @@ def launch(main, args):
         os.environ.setdefault("OMP_NUM_THREADS", str(threads))
         # fixed: not a hard-coded 12355: MASTER_PORT if set, else port 0, which
         # asks the system for a free one. The store (is_master: the server) holds the
-        # port until the end, so a second run on it is refused at once. The server
-        # listens on all of this machine's addresses; "127.0.0.1" is only where its
-        # clients dial it: the ranks, and this TCPStore object, which is a client too.
+        # port until the end, so a second run on it is refused at once. The ranks,
+        # all on this machine, dial it at 127.0.0.1.
         port = int(os.environ.get("MASTER_PORT") or 0)
         timeout = timedelta(seconds=args.timeout)
         try:
@@ -500,15 +495,17 @@ def check_args(args):
     try:
         train_set, _, num_classes = load_datasets(args)
     except (OSError, ValueError) as e:
-        # Which flag's folder failed? Load --data's alone (ImageFolder's faults are
-        # all OSErrors): if that fails too, it was --data; otherwise --val-data, if
-        # given. A copy that loads data of its own has neither flag: the error alone.
-        try:
-            if args.data:
+        # Name the flag whose folder failed: --val-data, unless --data's folder
+        # fails when loaded alone (ImageFolder's faults are all OSErrors). A copy
+        # that loads data of its own has neither flag: the error alone.
+        flag = ""
+        if args.val_data:
+            flag = f"--val-data {args.val_data}: "
+        if args.data:
+            try:
                 datasets.ImageFolder(args.data)
-            flag = f"--val-data {args.val_data}: " if args.val_data else ""
-        except OSError:
-            flag = f"--data {args.data}: "
+            except OSError:
+                flag = f"--data {args.data}: "
         sys.exit(f"error: {flag}{e}")
     # the ranks: --nprocs spawned here, or the WORLD_SIZE of a group joined (RANK;
     # ddp_setup refuses a RANK without a WORLD_SIZE)
@@ -521,8 +518,9 @@ def check_args(args):
             f"error: {len(train_set)} images, too few for"
             f" --batch-size {args.batch_size} x {processes} processes"
         )
-    # BatchNorm cannot train on one value per channel, which a ResNet's last block
-    # has with 1 image at 32 px (at 224 px, 1 image trains): ask the model.
+    # BatchNorm cannot train on one value per channel. A ResNet shrinks an image
+    # 32-fold, so its last block has exactly that with 1 image at 32 px (at 224 px,
+    # 1 image trains). Ask the model: a fresh one is in training mode.
     if args.batch_size == 1:
         try:
             # the first training image, as a batch of 1
@@ -617,11 +615,10 @@ def parse_args():
 
 if __name__ == "__main__":
     args = parse_args()
-    # Which process checks the input, and says why it refuses? Where RANK is unset,
-    # this process spawns the ranks and checks before it does, whatever LOCAL_RANK a
-    # shell left behind. Under torchrun (RANK set), one process a node checks: the one
-    # with LOCAL_RANK 0. The others meanwhile wait in ddp_setup for the group to
-    # form; if a check refuses, torchrun stops them.
+    # Who checks the input: this process, where it spawns the ranks (RANK unset,
+    # whatever LOCAL_RANK a shell left behind); under torchrun, the process with
+    # LOCAL_RANK 0 on each node, while the others wait in ddp_setup (torchrun stops
+    # them if a check refuses).
     if not os.environ.get("RANK") or os.environ.get("LOCAL_RANK", "0") == "0":
         check_args(args)
     launch(run_training_process_on_given_gpu, args)
