@@ -128,7 +128,7 @@ def prepare_dataloader(train_set, device, args):
     # A fork of this rank, which runs gloo's or NCCL's threads, can hang on a lock
     # one of them held. So loader workers, here and in evaluate, start from a
     # forkserver: a clean process that imports torchvision once, then forks them.
-    # force=True: mp.spawn gave this rank its launcher's start method already.
+    # force=True: a rank that mp.spawn started has a start method set already.
     mp.set_forkserver_preload(["torchvision"])
     mp.set_start_method("forkserver", force=True)
     return DataLoader(
@@ -496,8 +496,9 @@ def check_args(args):
         train_set, _, num_classes = load_datasets(args)
     except (OSError, ValueError) as e:
         # Name the flag whose folder failed: --val-data, unless --data's folder
-        # fails when loaded alone (ImageFolder's faults are all OSErrors). A copy
-        # that loads data of its own has neither flag: the error alone.
+        # fails when loaded alone (ImageFolder's faults are all OSErrors). With
+        # neither flag given (a copy of this script that loads data its own way),
+        # the error is printed alone.
         flag = ""
         if args.val_data:
             flag = f"--val-data {args.val_data}: "
@@ -519,8 +520,9 @@ def check_args(args):
             f" --batch-size {args.batch_size} x {processes} processes"
         )
     # BatchNorm cannot train on one value per channel. A ResNet shrinks an image
-    # 32-fold, so its last block has exactly that with 1 image at 32 px (at 224 px,
-    # 1 image trains). Ask the model: a fresh one is in training mode.
+    # 32-fold: with 1 image at 32 px, its last block sees 1x1 maps, one value per
+    # channel (at 224 px, 7x7: 1 image trains). Ask the model: a fresh one is in
+    # training mode, and its BatchNorm raises ValueError.
     if args.batch_size == 1:
         try:
             # the first training image, as a batch of 1
@@ -552,7 +554,8 @@ def check_ckpt_dir(args, num_classes):
             ckpt = torch.load(file, map_location="cpu", weights_only=True)
             build_model(args, num_classes).load_state_dict(ckpt["model_state_dict"])
     except Exception as e:
-        # torch's own words, without its long advice on weights_only, on one line
+        # torch's own words on one line; a weights_only failure puts its reason
+        # after "WeightsUnpickler error:", below long advice
         why = str(e).split("WeightsUnpickler error:")[-1]
         why = " ".join(why.split())
         action = f"resume from {file}" if newest else "make --ckpt-dir"
@@ -615,10 +618,10 @@ def parse_args():
 
 if __name__ == "__main__":
     args = parse_args()
-    # Who checks the input: this process, where it spawns the ranks (RANK unset,
-    # whatever LOCAL_RANK a shell left behind); under torchrun, the process with
-    # LOCAL_RANK 0 on each node, while the others wait in ddp_setup (torchrun stops
-    # them if a check refuses).
+    # Who checks the input: this process, where it spawns the ranks (RANK unset;
+    # a LOCAL_RANK a shell left behind does not matter then). Under torchrun, the
+    # process with LOCAL_RANK 0 on each node, as each node reads its own folders;
+    # the others wait in ddp_setup (torchrun stops them if a check refuses).
     if not os.environ.get("RANK") or os.environ.get("LOCAL_RANK", "0") == "0":
         check_args(args)
     launch(run_training_process_on_given_gpu, args)
