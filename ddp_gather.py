@@ -73,9 +73,9 @@ def main(local_rank, args):
     world_size = dist.get_world_size()
     tensor = torch.ones(3, device=device) + rank
     data = {
-        # to the CPU, where the tutorial sends it from its GPU: a GPU tensor is
-        # pickled with its device, and would unpickle onto the sender's GPU number in
-        # every rank
+        # to the CPU (the tutorial sends it from the GPU): a GPU tensor is pickled
+        # with its device, so every rank would unpickle it onto the sender's GPU,
+        # using memory there and waiting on that GPU
         "tensor": tensor.cpu(),
         # fixed: the tutorial's [1, 2, 3] + rank fails
         "list": [x + rank for x in [1, 2, 3]],
