@@ -74,8 +74,8 @@ def main(local_rank, args):
     tensor = torch.ones(3, device=device) + rank
     data = {
         # to the CPU (the tutorial sends it from the GPU): a GPU tensor is pickled
-        # with its device, so every rank would unpickle it onto the sender's GPU,
-        # using memory there and waiting on that GPU
+        # with its device, so every rank would unpickle it onto the sender's GPU and
+        # use memory there
         "tensor": tensor.cpu(),
         # fixed: the tutorial's [1, 2, 3] + rank fails
         "list": [x + rank for x in [1, 2, 3]],
