@@ -72,8 +72,7 @@ def ddp_setup(local_rank, args):
             " elsewhere: set WORLD_SIZE, MASTER_ADDR and MASTER_PORT too, or unset RANK"
         )
     # SIGTERM (how launch() and torchrun stop the ranks) now raises KeyboardInterrupt,
-    # as Ctrl-C does, so clean-up in `finally:` blocks runs (in ddp_resnet.py:
-    # save_model removes a half-written checkpoint)
+    # as Ctrl-C does, so that clean-up in `finally:` blocks runs before the rank ends
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     return device
 
@@ -186,8 +185,8 @@ def main(local_rank, args):
     try:
         # fixed: every rank downloaded at once. Under torchrun, local rank 0 of each
         # machine downloads before it joins (below, under __main__); the others wait
-        # here until all have joined, so that none reads a half-written file. (Whether
-        # init_process_group itself waits for every rank depends on the backend.)
+        # here until all have joined, so that none reads a half-written file. (The
+        # barrier makes that wait explicit: init_process_group does not promise it.)
         dist.barrier()
         # seed 0: the same synthetic data on every rank, and the same initial weights in
         # every run (DDP copies rank 0's to the other ranks)
@@ -276,9 +275,9 @@ def launch(main, args):
             )
         os.environ["MASTER_PORT"] = str(store.port)
         # Ctrl-C (SIGINT) raises KeyboardInterrupt here and in each rank. A shell
-        # script's `cmd &` starts cmd with SIGINT ignored. An ignored signal stays
-        # ignored in the processes a process starts, but a handler does not: with
-        # this one, the ranks start with Python's usual Ctrl-C.
+        # script's `cmd &` starts cmd with SIGINT ignored, and child processes inherit
+        # an ignored signal, but not a handler: with this one, the ranks start with
+        # Python's usual Ctrl-C.
         signal.signal(signal.SIGINT, signal.default_int_handler)
         # SIGTERM (kill, a job scheduler): terminate_ranks(), below, passes it on
         signal.signal(signal.SIGTERM, terminate_ranks)

@@ -72,8 +72,7 @@ def ddp_setup(local_rank, args):
             " elsewhere: set WORLD_SIZE, MASTER_ADDR and MASTER_PORT too, or unset RANK"
         )
     # SIGTERM (how launch() and torchrun stop the ranks) now raises KeyboardInterrupt,
-    # as Ctrl-C does, so clean-up in `finally:` blocks runs (in ddp_resnet.py:
-    # save_model removes a half-written checkpoint)
+    # as Ctrl-C does, so that clean-up in `finally:` blocks runs before the rank ends
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     return device
 
@@ -413,9 +412,9 @@ def launch(main, args):
             )
         os.environ["MASTER_PORT"] = str(store.port)
         # Ctrl-C (SIGINT) raises KeyboardInterrupt here and in each rank. A shell
-        # script's `cmd &` starts cmd with SIGINT ignored. An ignored signal stays
-        # ignored in the processes a process starts, but a handler does not: with
-        # this one, the ranks start with Python's usual Ctrl-C.
+        # script's `cmd &` starts cmd with SIGINT ignored, and child processes inherit
+        # an ignored signal, but not a handler: with this one, the ranks start with
+        # Python's usual Ctrl-C.
         signal.signal(signal.SIGINT, signal.default_int_handler)
         # SIGTERM (kill, a job scheduler): terminate_ranks(), below, passes it on
         signal.signal(signal.SIGTERM, terminate_ranks)
