@@ -37,7 +37,7 @@ def pytest_configure(config):
 # pytest-xdist's 2 workers, a long test started last would run alone while the other worker had
 # nothing left to do.
 FIRST = [
-    "test_run_all_passes_then_goes_on_past_failed_and_killed_runs",
+    "test_run_all_passes_where_nvidia_smi_lists_a_gpu_torch_cannot_see",
     "test_bench_on_cpu_prints_a_table_of_measured_figures",
     "test_own_model_and_data_in_two_functions",
     "test_each_image_scored_once_at_any_world_size",
@@ -46,6 +46,7 @@ FIRST = [
     "test_bad_input_is_one_line_and_nothing_starts",
     "test_a_batch_the_model_cannot_train_on_is_one_line",
     "test_elastic_restart_resumes_and_matches_an_uninterrupted_run",
+    "test_again_in_a_used_runs_dir_goes_on_past_failed_and_killed_runs",
 ]
 
 

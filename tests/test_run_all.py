@@ -1,5 +1,5 @@
 """run_all.sh: runs every script, prints one summary table, fails when a run fails, leaves no
-process behind, and runs again in the same RUNS_DIR."""
+process behind, and runs again in a used RUNS_DIR."""
 
 import os
 import shutil
@@ -84,12 +84,9 @@ def kill_the_launcher(proc, script: str) -> None:
 
 
 @pytest.mark.learned  # one real FashionMNIST epoch: 0.82 on three kernel settings, the bar 0.5
-def test_run_all_passes_then_goes_on_past_failed_and_killed_runs(tmp_path):
+def test_run_all_passes_where_nvidia_smi_lists_a_gpu_torch_cannot_see(tmp_path):
     """The README's first command, where nvidia-smi lists a GPU that torch cannot see: one line
-    says so, and every run passes on the CPU. Then again in the same RUNS_DIR, where the last
-    run's checkpoints are: every run starts fresh; a run that fails, one that writes no metrics
-    and one whose launcher is killed (its ranks must go too) each fail their row, and the
-    others still run; exit 1."""
+    says so, and every run passes on the CPU."""
     res = finish(start_run_all(ROOT, tmp_path, fake_nvidia_smi(tmp_path)), timeout=400)
     assert res.stderr.startswith("run_all: nvidia-smi lists GPUs, torch ")
     assert res.stderr.rstrip().endswith("; on CPU") and res.stderr.count("\n") == 1
@@ -113,9 +110,22 @@ def test_run_all_passes_then_goes_on_past_failed_and_killed_runs(tmp_path):
         == f"ok: images_per_sec {ips:.4g}, final_loss {loss:.4g}"
     )
     assert res.stdout.rstrip().endswith("run_all: all 5 runs passed")
+    # what the next run in this RUNS_DIR finds (the next test)
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["epoch_1.pt", "epoch_2.pt"]
-    # again: stand-ins, quick, except the FashionMNIST run, whose launcher is killed; the
-    # ResNets' stand-ins fail on a used checkpoint folder, as the real ResNets do
+    assert len((tmp_path / "runs.tsv").read_text().splitlines()) == 5
+
+
+def test_again_in_a_used_runs_dir_goes_on_past_failed_and_killed_runs(tmp_path):
+    """Again in a RUNS_DIR as the run above leaves it: every run starts fresh, and the table
+    has this run's rows alone. A run that fails, one that writes no metrics and one whose
+    launcher is killed (its ranks must go too) each fail their row, and the others still run;
+    exit 1. Stand-ins, quick, except the FashionMNIST run, whose launcher is killed; the
+    ResNets' stand-ins fail on a used checkpoint folder, as the real ResNets do."""
+    (tmp_path / "ckpt").mkdir()
+    for name in ("epoch_1.pt", "epoch_2.pt"):
+        (tmp_path / "ckpt" / name).touch()
+    old = f"dp_resnet.py\tsingle\t1\tnone\t\t0\t1\t2\t{tmp_path / 'dp_resnet_single_1'}\n"
+    (tmp_path / "runs.tsv").write_text(old * 5)
     again = tmp_path / "again"
     copy_with(again, ddp_gather=GATHER, ddp_fashionmnist=None)
     # dp_resnet.py fails, ddp_resnet.py exits 0 but writes no metrics
@@ -125,7 +135,8 @@ def test_run_all_passes_then_goes_on_past_failed_and_killed_runs(tmp_path):
     res = finish(proc, timeout=180, check=False)  # fails if any rank outlived its launcher
     assert res.returncode == 1, res.stdout + res.stderr
     rows = table(res.stdout)
-    assert len(rows) == 5
+    # this run's 5 rows under the header and its rule, none left from the run before
+    assert len(rows) == 5 and res.stdout.count("\n| ") == 2 + 5, res.stdout
     for launch in ("spawn", "torchrun"):
         assert rows["ddp_gather.py", launch]["result"] == "ok: gathered ranks [0, 1]"
     assert rows["ddp_fashionmnist.py", "spawn"]["result"] == "FAILED (exit 137)"
