@@ -21,6 +21,10 @@ MARK = "DDP_COLLECTION_TEST_RUN"  # every process of a run inherits it: how left
 # Hermetic on a GPU machine too: the tests are written for CPU runs (a test that wants a GPU
 # would pass its own CUDA_VISIBLE_DEVICES), and every run inherits this.
 os.environ["CUDA_VISIBLE_DEVICES"] = ""
+# On pytest-xdist's workers every core is busy. An OpenMP thread whose peer waits for a core
+# then spins (a 2-thread dp_resnet.py run took 26 CPU-s instead of 6); passive threads sleep.
+# The same threads compute the same results: only the waiting changes.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 # Started in the background (`cmd &` in a script), pytest ignores Ctrl-C, and so would every run
 # it starts: exec keeps an ignored signal. The tests send Ctrl-C as a terminal does.
 if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
