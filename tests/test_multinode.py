@@ -2,6 +2,7 @@
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -147,16 +148,19 @@ def two_hosts():
             ["ip", "-n", name, "link", "set", f"v{name}", "up"],
             ["ip", "-n", name, "link", "set", "lo", "up"],
         ]
+
+    def cannot(why):
+        if os.environ.get("CI"):
+            pytest.fail(f"CI runs as root and must build namespaces: {why}")
+        pytest.skip(f"cannot create network namespaces here: {why}")
+
+    # A machine without iproute2 (a container image, say) has no `ip` to run at all.
+    if shutil.which("ip") is None:
+        cannot("no `ip` command (Debian's iproute2)")
     try:
         for cmd in setup:
             if subprocess.run(cmd, capture_output=True).returncode != 0:
-                if os.environ.get("CI"):
-                    pytest.fail(
-                        f"CI runs as root and must build namespaces: {' '.join(cmd)} failed"
-                    )
-                pytest.skip(
-                    f"cannot create network namespaces here ({' '.join(cmd)} failed; needs root)"
-                )
+                cannot(f"{' '.join(cmd)} failed; needs root")
         yield names
     finally:
         for name in names:
