@@ -288,16 +288,22 @@ def read_only(tmp_path):
     subprocess.run(["umount", "-l", folder])
 
 
+def unavailable(why: str, details: str = "") -> None:
+    """What a test needs is missing here (a Debian package, root). CI has it all (.ci/run runs
+    as root and installs the packages), so there the test fails, never skipped unseen;
+    elsewhere it is skipped, saying why."""
+    if os.environ.get("CI"):
+        pytest.fail(f"CI must have this: {why}\n{details}".rstrip())
+    pytest.skip(why)
+
+
 def tmpfs(folder, options: str) -> None:
-    """Mount a tmpfs on the folder: root can, as CI runs; elsewhere the test is skipped (under
-    CI it fails, so that it is never skipped unseen)."""
+    """Mount a tmpfs on the folder: root can, as CI runs."""
     mount = subprocess.run(
         ["mount", "-t", "tmpfs", "-o", options, "tmpfs", folder], capture_output=True, text=True
     )
     if mount.returncode:
-        if os.environ.get("CI"):
-            pytest.fail(f"CI runs as root and must mount a tmpfs: {mount.stderr}")
-        pytest.skip(f"cannot mount a tmpfs here ({mount.stderr.strip()})")
+        unavailable(f"cannot mount a tmpfs here ({mount.stderr.strip()}); needs root")
 
 
 def same_weights(a, b) -> None:

@@ -2,7 +2,6 @@
 in one line (torchrun and real accuracy: test_fixes.py)."""
 
 import gzip
-import os
 import shutil
 
 import pytest
@@ -17,6 +16,7 @@ from conftest import (
     metrics,
     python,
     start,
+    unavailable,
 )
 
 SMOKE = ["--cpu", "--synthetic", "--epochs", 1, "--timeout", 60]
@@ -25,9 +25,7 @@ SMOKE = ["--cpu", "--synthetic", "--epochs", 1, "--timeout", 60]
 def debian_root(root):
     """Debian's four .gz files, gunzipped where torchvision looks: ROOT/FashionMNIST/raw."""
     if not (DEBIAN_FMNIST / "t10k-labels-idx1-ubyte.gz").is_file():
-        if os.environ.get("CI"):
-            pytest.fail("CI must install Debian's dataset-fashion-mnist")
-        pytest.skip("Debian's dataset-fashion-mnist is not installed")
+        unavailable("Debian's dataset-fashion-mnist is not installed")
     raw = root / "FashionMNIST" / "raw"
     raw.mkdir(parents=True)
     for gz in DEBIAN_FMNIST.glob("*-ubyte.gz"):

@@ -4,7 +4,6 @@ FashionMNIST. The runs go through tests/recorded.py, which records those inside 
 an unchanged script."""
 
 import http.server
-import os
 import socket
 import threading
 import time
@@ -23,6 +22,7 @@ from conftest import (
     run,
     start,
     torchrun,
+    unavailable,
 )
 
 FM = ["--cpu", "--synthetic", "--epochs", 2, "--timeout", 60]
@@ -90,9 +90,7 @@ def test_fashionmnist_downloaded_once_per_machine_then_learned(tmp_path):
     each) on the real data, for 3 of its 10 epochs: 0.838 to 0.851 over three CPU kernel
     settings; with the tutorial's second / 255, 0.637. The bar sits between, 0.09 from each."""
     if not (DEBIAN_FMNIST / "t10k-labels-idx1-ubyte.gz").is_file():
-        if os.environ.get("CI"):
-            pytest.fail("CI must install Debian's dataset-fashion-mnist")
-        pytest.skip("dataset-fashion-mnist is not installed")
+        unavailable("Debian's dataset-fashion-mnist is not installed")
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Mirror)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     with socket.socket() as s:  # a port nothing listens on: a mirror that is down

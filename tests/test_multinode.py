@@ -20,6 +20,7 @@ from conftest import (
     metrics,
     same_weights,
     start,
+    unavailable,
 )
 
 
@@ -148,19 +149,13 @@ def two_hosts():
             ["ip", "-n", name, "link", "set", f"v{name}", "up"],
             ["ip", "-n", name, "link", "set", "lo", "up"],
         ]
-
-    def cannot(why):
-        if os.environ.get("CI"):
-            pytest.fail(f"CI runs as root and must build namespaces: {why}")
-        pytest.skip(f"cannot create network namespaces here: {why}")
-
     # A machine without iproute2 (a container image, say) has no `ip` to run at all.
     if shutil.which("ip") is None:
-        cannot("no `ip` command (Debian's iproute2)")
+        unavailable("cannot create network namespaces: no `ip` command (Debian's iproute2)")
     try:
         for cmd in setup:
             if subprocess.run(cmd, capture_output=True).returncode != 0:
-                cannot(f"{' '.join(cmd)} failed; needs root")
+                unavailable(f"cannot create network namespaces: {' '.join(cmd)} failed; needs root")
         yield names
     finally:
         for name in names:
