@@ -297,6 +297,13 @@ def unavailable(why: str, details: str = "") -> None:
     pytest.skip(why)
 
 
+def debian_fmnist() -> Path:
+    """The folder of Debian's four FashionMNIST .gz files (dataset-fashion-mnist)."""
+    if not (DEBIAN_FMNIST / "t10k-labels-idx1-ubyte.gz").is_file():
+        unavailable("Debian's dataset-fashion-mnist is not installed")
+    return DEBIAN_FMNIST
+
+
 def tmpfs(folder, options: str) -> None:
     """Mount a tmpfs on the folder: root can, as CI runs."""
     mount = subprocess.run(

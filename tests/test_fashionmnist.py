@@ -7,8 +7,8 @@ import shutil
 import pytest
 
 from conftest import (
-    DEBIAN_FMNIST,
     ROOT,
+    debian_fmnist,
     finish,
     finish_all,
     fm_report,
@@ -16,7 +16,6 @@ from conftest import (
     metrics,
     python,
     start,
-    unavailable,
 )
 
 SMOKE = ["--cpu", "--synthetic", "--epochs", 1, "--timeout", 60]
@@ -24,11 +23,10 @@ SMOKE = ["--cpu", "--synthetic", "--epochs", 1, "--timeout", 60]
 
 def debian_root(root):
     """Debian's four .gz files, gunzipped where torchvision looks: ROOT/FashionMNIST/raw."""
-    if not (DEBIAN_FMNIST / "t10k-labels-idx1-ubyte.gz").is_file():
-        unavailable("Debian's dataset-fashion-mnist is not installed")
+    files = debian_fmnist()
     raw = root / "FashionMNIST" / "raw"
     raw.mkdir(parents=True)
-    for gz in DEBIAN_FMNIST.glob("*-ubyte.gz"):
+    for gz in files.glob("*-ubyte.gz"):
         with gzip.open(gz) as src, open(raw / gz.stem, "wb") as dst:
             shutil.copyfileobj(src, dst)
     return root

@@ -13,6 +13,7 @@ import pytest
 from conftest import (
     DEBIAN_FMNIST,
     RESNET,
+    debian_fmnist,
     finish_all,
     fm_report,
     last_line,
@@ -22,7 +23,6 @@ from conftest import (
     run,
     start,
     torchrun,
-    unavailable,
 )
 
 FM = ["--cpu", "--synthetic", "--epochs", 2, "--timeout", 60]
@@ -89,8 +89,7 @@ def test_fashionmnist_downloaded_once_per_machine_then_learned(tmp_path):
     internet; a mirror that is down gives one line. Then the default run (2 processes, batch 100
     each) on the real data, for 3 of its 10 epochs: 0.838 to 0.851 over three CPU kernel
     settings; with the tutorial's second / 255, 0.637. The bar sits between, 0.09 from each."""
-    if not (DEBIAN_FMNIST / "t10k-labels-idx1-ubyte.gz").is_file():
-        unavailable("Debian's dataset-fashion-mnist is not installed")
+    debian_fmnist()
     server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Mirror)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     with socket.socket() as s:  # a port nothing listens on: a mirror that is down
