@@ -238,6 +238,13 @@ DP = RESNET[1:-2]  # dp_resnet.py: one process, no --timeout
 ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # the same kernels in every run: bitwise-comparable weights
 
 
+@pytest.fixture(scope="session", autouse=True)
+def own_tmpdir(tmp_path_factory):
+    """Every run's temporary files in pytest's folder, which pytest prunes: torch leaves some
+    where a rank fails (mp.spawn's error files, torchrun's folders), 26 in /tmp a suite."""
+    os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("tmp"))
+
+
 @pytest.fixture(scope="session")
 def uninterrupted(tmp_path_factory):
     """One 3-epoch spawned DDP run: what other launches, resumes and nodes must reproduce. Under
