@@ -240,8 +240,8 @@ ONE_THREAD = {"OMP_NUM_THREADS": "1"}  # the same kernels in every run: bitwise-
 
 @pytest.fixture(scope="session", autouse=True)
 def own_tmpdir(tmp_path_factory):
-    """Every run's temporary files in pytest's folder, which pytest prunes: torch leaves some
-    where a rank fails (mp.spawn's error files, torchrun's folders), 26 in /tmp a suite."""
+    """Every run's temporary files in pytest's own folder, which pytest prunes. torch leaves
+    some behind: torchrun a folder each run, mp.spawn an error file where a rank fails."""
     os.environ["TMPDIR"] = str(tmp_path_factory.mktemp("tmp"))
 
 

@@ -23,10 +23,10 @@ SMOKE = ["--cpu", "--synthetic", "--epochs", 1, "--timeout", 60]
 
 def debian_root(root):
     """Debian's four .gz files, gunzipped where torchvision looks: ROOT/FashionMNIST/raw."""
-    files = debian_fmnist()
+    debian = debian_fmnist()
     raw = root / "FashionMNIST" / "raw"
     raw.mkdir(parents=True)
-    for gz in files.glob("*-ubyte.gz"):
+    for gz in debian.glob("*-ubyte.gz"):
         with gzip.open(gz) as src, open(raw / gz.stem, "wb") as dst:
             shutil.copyfileobj(src, dst)
     return root
