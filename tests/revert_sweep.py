@@ -15,241 +15,285 @@ import tempfile
 
 HEAD = pathlib.Path(__file__).resolve().parent.parent
 PY = sys.executable
-R = [
+R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests that catch it)
     (
         "gather: `[1, 2, 3] + rank`",
         "ddp_gather.py",
-        "[x + rank for x in [1, 2, 3]]",
-        "[1, 2, 3] + rank",
+        [("[x + rank for x in [1, 2, 3]]", "[1, 2, 3] + rank")],
         "tests/test_gather.py::test_all_gather_object_rank_order",
     ),
     (
         "gather: nccl on CPU",
         "ddp_gather.py",
-        'backend = "nccl" if cuda else "gloo"',
-        'backend = "nccl"',
+        [('"nccl" if cuda else "gloo",', '"nccl",')],
         "tests/test_gather.py::test_all_gather_object_rank_order",
     ),
     (
         "gather: port 12355",
         "ddp_gather.py",
-        'dist.TCPStore("127.0.0.1", port, is_master=True, timeout=timeout)',
-        'dist.TCPStore("127.0.0.1", 12355, is_master=True, timeout=timeout)',
+        [
+            (
+                'os.environ["MASTER_PORT"] = str(s.getsockname()[1])',
+                'os.environ["MASTER_PORT"] = "12355"',
+            )
+        ],
         "tests/test_gather.py::test_all_gather_object_rank_order",
     ),
     (
         "fm: every rank all cores",
         "ddp_fashionmnist.py",
-        'os.environ.setdefault("OMP_NUM_THREADS", str(threads))',
-        "pass",
+        [('os.environ["OMP_NUM_THREADS"] = str(threads)', "pass")],
         "tests/test_faults.py::test_killed_rank_ends_the_job_within_seconds",
     ),
     (
         "fm: import mlflow",
         "ddp_fashionmnist.py",
-        "import argparse\n",
-        "import argparse\nimport mlflow\n",
+        [("import argparse\n", "import argparse\nimport mlflow\n")],
         "tests/test_fashionmnist.py::test_each_test_image_once_and_the_loss_per_image",
     ),
     (
         "fm: second / 255",
         "ddp_fashionmnist.py",
-        "images, labels = images.to(device), labels.to(device)",
-        "images, labels = torch.div(images, 255.0).to(device), labels.to(device)",
+        [
+            (
+                "images, labels = images.to(device), labels.to(device)",
+                "images, labels = torch.div(images, 255.0).to(device), labels.to(device)",
+            )
+        ],
         "tests/test_fixes.py::test_fashionmnist_downloaded_once_per_machine_then_learned",
     ),
     (
         "fm: pin_memory=True",
         "ddp_fashionmnist.py",
-        'pin_memory=device.type == "cuda"',
-        "pin_memory=True",
+        [('pin = device.type == "cuda"', "pin = True")],
         "tests/test_fashionmnist.py::test_each_test_image_once_and_the_loss_per_image",
     ),
     (
         "fm: no set_epoch",
         "ddp_fashionmnist.py",
-        "        train_loader.sampler.set_epoch(epoch)",
-        "        pass",
+        [("        train_loader.sampler.set_epoch(epoch)", "        pass")],
         "tests/test_fixes.py::test_each_epoch_a_new_order_each_rank_its_own_share_the_loss_of_all",
     ),
     (
         "fm: rank 0's loss",
         "ddp_fashionmnist.py",
-        "        dist.all_reduce(running_loss)",
-        "        running_loss *= dist.get_world_size()",
+        [
+            (
+                "        dist.all_reduce(running_loss)",
+                "        running_loss *= dist.get_world_size()",
+            )
+        ],
         "tests/test_fixes.py::test_each_epoch_a_new_order_each_rank_its_own_share_the_loss_of_all",
     ),
     (
         "fm: every rank downloads",
         "ddp_fashionmnist.py",
-        'if not args.synthetic and (spawn or os.environ.get("LOCAL_RANK", "0") == "0"):',
-        "if not args.synthetic:",
+        [("if local_rank > 0:", "if False:"), ("if local_rank == 0:", "if False:")],
         "tests/test_fixes.py::test_fashionmnist_downloaded_once_per_machine_then_learned",
     ),
     (
         "fm: DistributedSampler for test()",
         "ddp_fashionmnist.py",
-        "DataLoader(share, batch_size=batch_size)",
-        "DataLoader(test_set, batch_size=batch_size, sampler=DistributedSampler(test_set))",
+        [
+            (
+                "DataLoader(share, batch_size)",
+                "DataLoader(test_set, batch_size, sampler=DistributedSampler(test_set))",
+            )
+        ],
         "tests/test_multinode.py::test_processes_with_rank_but_no_local_rank_join_as_that_rank",
     ),
     (
         "ddp: drop_last=False",
         "ddp_resnet.py",
-        "drop_last=True",
-        "drop_last=False",
+        [("drop_last=train,", "drop_last=False,")],
         "tests/test_faults.py::test_dataset_not_divisible_by_world_size",
     ),
     (
         "ddp: no set_epoch",
         "ddp_resnet.py",
-        "    dataloader.sampler.set_epoch(epoch)",
-        "    pass",
+        [("    dataloader.sampler.set_epoch(epoch)", "    pass")],
         "tests/test_fixes.py::test_each_epoch_a_new_order_each_rank_its_own_share_the_loss_of_all",
     ),
     (
         "ddp: rank 0's loss",
         "ddp_resnet.py",
-        "    dist.all_reduce(loss_sum)",
-        "    loss_sum *= dist.get_world_size()",
+        [("    dist.all_reduce(loss_sum)", "    loss_sum *= dist.get_world_size()")],
         "tests/test_fixes.py::test_each_epoch_a_new_order_each_rank_its_own_share_the_loss_of_all",
     ),
     (
         "ddp: 4 * GPUs workers",
         "ddp_resnet.py",
-        "        num_workers=args.workers,\n",
-        "        num_workers=4 * torch.cuda.device_count(),\n",
+        [
+            (
+                "        num_workers=args.workers,\n",
+                "        num_workers=4 * torch.cuda.device_count(),\n",
+            )
+        ],
         "tests/test_fixes.py::test_each_epoch_a_new_order_each_rank_its_own_share_the_loss_of_all",
     ),
     (
         "ddp: range(1, epochs)",
         "ddp_resnet.py",
-        "range(first_epoch, args.epochs + 1)",
-        "range(first_epoch, args.epochs)",
+        [("range(first_epoch, args.epochs + 1)", "range(first_epoch, args.epochs)")],
         "tests/test_resnet.py::test_ddp_run_prints_saves_and_reports",
     ),
     (
         "ddp: LOCAL_RANK 0 writes",
         "ddp_resnet.py",
-        '            if dist.get_rank() == 0:\n                results["checkpoint"]',
-        '            if os.environ.get("LOCAL_RANK", "0") == "0":\n                results["checkpoint"]',
+        [
+            (
+                '        if dist.get_rank() == 0:\n            results["checkpoint"]',
+                '        if os.environ.get("LOCAL_RANK", "0") == "0":\n            results["checkpoint"]',
+            )
+        ],
         "tests/test_multinode.py::test_only_global_rank_0_writes_checkpoints",
     ),
     (
         "ddp: file.touch()",
         "ddp_resnet.py",
-        'tmp = Path(f"{file}.tmp")',
-        'tmp = Path(f"{file}.tmp")\n    file.touch()',
+        [('tmp = Path(f"{file}.tmp")', 'tmp = Path(f"{file}.tmp")\n    file.touch()')],
         "tests/test_faults.py::test_a_stop_mid_epoch_then_ctrl_c_during_a_save_then_resume",
     ),
     (
-        "ddp: no barrier",
+        "ddp: no barrier before the load",
         "ddp_resnet.py",
-        "    dist.barrier()\n",
-        "    pass\n",
-        "tests/test_resnet.py::test_ddp_run_prints_saves_and_reports tests/test_resnet.py::test_a_leftover_local_rank_still_checks_and_resumes",
+        [("    dist.barrier()\n", "    pass\n")],
+        "tests/test_resnet.py::test_ddp_run_prints_saves_and_reports tests/test_resnet.py::test_lr_on_resume_is_the_flags",
     ),
     (
         "ddp: weights_only=False",
         "ddp_resnet.py",
-        'torch.load(file, map_location="cpu", weights_only=True)',
-        'torch.load(file, map_location="cpu", weights_only=False)',
-        "tests/test_resnet.py::test_a_bad_checkpoint_on_resume_is_one_line_naming_its_cause",
+        [("map_location=device, weights_only=True", "map_location=device, weights_only=False")],
+        "tests/test_resnet.py::test_a_bad_checkpoint_on_resume_fails_before_training",
     ),
     (
         "ddp: pretrained=False",
         "ddp_resnet.py",
-        "models.get_model(args.arch, weights=None, num_classes=num_classes)",
-        "getattr(models, args.arch)(pretrained=False, num_classes=num_classes)",
+        [
+            (
+                "models.get_model(args.arch, weights=None, num_classes=num_classes)",
+                "getattr(models, args.arch)(pretrained=False, num_classes=num_classes)",
+            )
+        ],
         "tests/test_resnet.py::test_ddp_run_prints_saves_and_reports",
     ),
     (
         "ddp: fresh run takes a used folder",
         "ddp_resnet.py",
-        "if newest and not args.resume:",
-        "if False:",
+        [("    if newest and not args.resume:", "    if False:")],
         "tests/test_resnet.py::test_a_fresh_run_refuses_a_folder_with_checkpoints",
     ),
     (
-        "ddp: empty val share skips",
+        "ddp: --lr from the checkpoint",
         "ddp_resnet.py",
-        "    # [correct, seen]\n    counts = torch.zeros",
-        "    if not len(share):\n        return {}\n    counts = torch.zeros",
+        [('        group["lr"] = args.lr', "        pass")],
+        "tests/test_resnet.py::test_lr_on_resume_is_the_flags",
+    ),
+    (
+        "ddp: an unwritable --ckpt-dir trains",
+        "ddp_resnet.py",
+        [("        tempfile.TemporaryFile(dir=args.ckpt_dir).close()", "        pass")],
+        "tests/test_resnet.py::test_bad_input_fails_before_training_and_names_the_cause",
+    ),
+    (
+        "ddp: an empty val share skips",
+        "ddp_resnet.py",
+        [
+            (
+                "    # [correct, seen]\n    counts = torch.zeros",
+                "    if not len(share):\n        return {}\n    counts = torch.zeros",
+            )
+        ],
         "tests/test_validation.py::test_a_rank_with_no_validation_image_still_joins_the_count",
     ),
     (
         "ddp: each rank its own start",
         "ddp_resnet.py",
-        "        dist.broadcast(start, src=0)",
-        "        pass",
+        [("    dist.broadcast(newest, src=0)", "    pass")],
         "tests/test_multinode.py::test_rank_0_decides_where_every_rank_resumes",
     ),
     (
         "ddp: DistributedSampler for val",
         "ddp_resnet.py",
-        "DataLoader(share, args.batch_size, num_workers=args.workers)",
-        "DataLoader(val_set, args.batch_size, sampler=DistributedSampler(val_set))",
+        [
+            (
+                "prepare_dataloader(share, device, args, train=False)",
+                "DataLoader(val_set, args.batch_size, sampler=DistributedSampler(val_set))",
+            )
+        ],
         "tests/test_validation.py::test_each_image_scored_once_at_any_world_size",
     ),
     (
         "dp: shuffle=False",
         "dp_resnet.py",
-        "        shuffle=True,",
-        "        shuffle=False,",
+        [("        shuffle=True,", "        shuffle=False,")],
         "tests/test_own_model.py::test_dataparallel_copy_resumes_to_the_bit_with_augmentation_and_dropout",
     ),
     (
         "dp: no reseed per epoch",
         "dp_resnet.py",
-        "    torch.manual_seed(epoch)",
-        "    pass",
+        [("    torch.manual_seed(epoch)", "    pass")],
         "tests/test_own_model.py::test_dataparallel_copy_resumes_to_the_bit_with_augmentation_and_dropout",
     ),
     (
         "dp: drop_last=False",
         "dp_resnet.py",
-        "drop_last=True",
-        "drop_last=False",
+        [("drop_last=True", "drop_last=False")],
         "tests/test_faults.py::test_dataset_not_divisible_by_world_size",
     ),
     (
         "dp: range(1, epochs)",
         "dp_resnet.py",
-        "range(first_epoch, args.epochs + 1)",
-        "range(first_epoch, args.epochs)",
+        [("range(first_epoch, args.epochs + 1)", "range(first_epoch, args.epochs)")],
         "tests/test_resnet.py::test_a_fresh_run_refuses_a_folder_with_checkpoints",
     ),
     (
         "dp: file.touch()",
         "dp_resnet.py",
-        'tmp = Path(f"{file}.tmp")',
-        'tmp = Path(f"{file}.tmp")\n    file.touch()',
+        [('tmp = Path(f"{file}.tmp")', 'tmp = Path(f"{file}.tmp")\n    file.touch()')],
         "tests/test_faults.py::test_a_stop_mid_epoch_then_ctrl_c_during_a_save_then_resume",
     ),
     (
         "dp: weights_only=False",
         "dp_resnet.py",
-        "weights_only=True",
-        "weights_only=False",
-        "tests/test_resnet.py::test_a_bad_checkpoint_on_resume_is_one_line_naming_its_cause",
+        [("weights_only=True", "weights_only=False")],
+        "tests/test_resnet.py::test_a_bad_checkpoint_on_resume_fails_before_training",
     ),
     (
         "dp: pretrained=False",
         "dp_resnet.py",
-        "models.get_model(args.arch, weights=None, num_classes=num_classes)",
-        "getattr(models, args.arch)(pretrained=False, num_classes=num_classes)",
+        [
+            (
+                "models.get_model(args.arch, weights=None, num_classes=num_classes)",
+                "getattr(models, args.arch)(pretrained=False, num_classes=num_classes)",
+            )
+        ],
         "tests/test_resnet.py::test_a_fresh_run_refuses_a_folder_with_checkpoints",
+    ),
+    (
+        "dp: --lr from the checkpoint",
+        "dp_resnet.py",
+        [('        group["lr"] = args.lr', "        pass")],
+        "tests/test_resnet.py::test_lr_on_resume_is_the_flags",
+    ),
+    (
+        "dp: prints held back in a file",
+        "dp_resnet.py",
+        [("    sys.stdout.reconfigure(line_buffering=True)", "    pass")],
+        "tests/test_resnet.py::test_dataparallel_lines_reach_a_log_file_as_they_are_printed",
     ),
 ]
 only = sys.argv[1:]
-for name, script, old, new, tests in R:
+for name, script, replacements, tests in R:
     if only and not any(o in name for o in only):
         continue
     work = pathlib.Path(tempfile.mkdtemp(prefix="revert_"))
     subprocess.run(f"git -C {HEAD} archive HEAD | tar -x -C {work}", shell=True, check=True)
     text = (work / script).read_text()
-    assert text.count(old) >= 1, (name, old)
-    (work / script).write_text(text.replace(old, new))
+    for old, new in replacements:
+        assert text.count(old) >= 1, (name, old)
+        text = text.replace(old, new)
+    (work / script).write_text(text)
     res = subprocess.run(
         [PY, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests.split()],
         cwd=work,

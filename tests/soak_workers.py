@@ -26,7 +26,7 @@ STALL = 20  # an epoch takes about half a second here
 
 
 def soak_run(i: int, epochs: int, folder: Path) -> tuple:
-    flags = [*TINY, "--batch-size", 4, "--max-steps", 1, "--log-every", 1, "--workers", 2]
+    flags = [*TINY, "--batch-size", 4, "--max-steps", 1, "--workers", 2]
     flags += ["--epochs", epochs, "--timeout", 120, "--ckpt-dir", folder / f"ckpt{i}"]
     log, mark = folder / f"run{i}.log", uuid.uuid4().hex
     env = {**os.environ, MARK: mark, "CUDA_VISIBLE_DEVICES": ""}

@@ -1,20 +1,20 @@
 """run_all.sh --bench: the DataParallel vs DDP images/s table, in its tiny CPU version (gloo,
-resnet18 at 32 px, DDP on 1 and 2 processes, dp_resnet.py --cpu the baseline), measured from
-the progress lines without the warm-up, and its handling of failed runs."""
+resnet18 at 32 px, DDP on 1 and 2 processes, dp_resnet.py --cpu the baseline), the images/s of
+each run's 2nd epoch as its metrics give them, and its handling of failed runs."""
 
 import math
 import re
 import shutil
 import sys
+from pathlib import Path
 
 import torch
 import torchvision
 
-from conftest import ROOT, run
+from conftest import ROOT, metrics, run
 
 COLUMNS = ["n", "mode", "precision", "ips", "scaling", "vs_dp"]
 HEADER = "| processes | mode | precision | images/s | scaling vs 1 | DDP/DP |"
-PROGRESS = r"^epoch (\d+)/\d+ \| step (\d+)/\d+ \| loss \S+ \| (\d+) img/s(?: \| ([\d.]+) s)?$"
 
 
 def bench(folder, timeout: float, *flags, cwd=ROOT, check=True):
@@ -50,20 +50,9 @@ def rounds_to(cell: str, value: float, places: int) -> bool:
     return positive(cell) > 0 and abs(float(cell) - value) <= 0.5 * 10**-places * (1 + 1e-9)
 
 
-def measured(log: str, batch: int) -> float:
-    """images/s from a run's progress lines, as the docs say: between its first and last line
-    (one epoch here), each line's time since the epoch began from its R images/s at step S,
-    kept within the rounding of ddp's "X.X s"."""
-    points = []
-    for epoch, step, rate, seconds in re.findall(PROGRESS, log, re.M):
-        assert epoch == "1"
-        t = int(step) * batch / int(rate)
-        if seconds:
-            t = min(max(t, float(seconds) - 0.05), float(seconds) + 0.05)
-        points.append((int(step) * batch, t))
-    assert [p[0] // batch for p in points] == [10, 20], log  # after 10 warm-up steps, the last
-    (i1, t1), (i2, t2) = points
-    return (i2 - i1) / (t2 - t1)
+def own_folder(stdout: str) -> Path:
+    line = next(x for x in stdout.splitlines() if x.startswith("run_all: logs, metrics"))
+    return Path(line.split(" in ", 1)[1])
 
 
 def test_bench_on_cpu_prints_a_table_of_measured_figures(tmp_path):
@@ -73,22 +62,25 @@ def test_bench_on_cpu_prints_a_table_of_measured_figures(tmp_path):
     assert re.search(rf"^{head}.* \| {re.escape(versions)}$", res.stdout, re.M), res.stdout
     rows = bench_table(res.stdout)
     assert list(rows) == [(1, "ddp"), (1, "dp"), (2, "ddp")]
-    ips = {}  # unrounded, from the logs: the ratios below are of these, not of the cells
+    out = own_folder(res.stdout)
+    ips = {}  # unrounded, from the metrics: the ratios below are of these, not of the cells
     for (n, mode), row in rows.items():
         assert row["precision"] == "fp32"  # no bf16 on CPU
-        ips[n, mode] = measured((tmp_path / f"{mode}_resnet_{n}_fp32.log").read_text(), 8 * n)
+        m = metrics(out / f"{mode}_resnet_{n}_fp32.json")
+        assert m["epochs_run"] == 2 and m["steps"] == 10  # the 2nd epoch's figure, warm
+        ips[n, mode] = m["images_per_sec"]
         assert rounds_to(row["ips"], ips[n, mode], 1)
     assert rows[1, "dp"]["scaling"] == rows[1, "ddp"]["scaling"] == "1.00"
     assert rounds_to(rows[2, "ddp"]["scaling"], ips[2, "ddp"] / 2 / ips[1, "ddp"], 2)
     assert rounds_to(rows[1, "ddp"]["vs_dp"], ips[1, "ddp"] / ips[1, "dp"], 2)
     assert rows[1, "dp"]["vs_dp"] == rows[2, "ddp"]["vs_dp"] == "-"  # no DataParallel on 2
-    saved = (tmp_path / "bench.md").read_text()
+    saved = (out / "bench.md").read_text()
     assert saved.startswith("bench | CPU: ") and bench_table(saved) == rows
-    assert not list(tmp_path.rglob("*.pt"))  # the checkpoints are gone
+    assert not list(out.rglob("*.pt"))  # its checkpoints are gone
     assert res.stdout.rstrip().endswith("run_all: all 3 runs passed")
 
 
-STANDIN = """import sys
+STANDIN = """import json, sys
 from pathlib import Path
 args = sys.argv[1:]
 with open(__file__ + ".args", "a") as f:
@@ -97,35 +89,29 @@ ckpt = Path(args[args.index("--ckpt-dir") + 1])
 assert not list(ckpt.glob("epoch_*.pt")), "a used checkpoint folder"
 ckpt.mkdir(parents=True, exist_ok=True)
 (ckpt / "epoch_1.pt").touch()
+def done(ips):
+    json.dump({"images_per_sec": ips}, open(args[args.index("--metrics-out") + 1], "w"))
 """
 
 
 def test_bench_shows_failed_runs_and_exits_non_zero(tmp_path):
     shutil.copy(ROOT / "run_all.sh", tmp_path)
-    # dp: two lines of one epoch, R images/s each at batch 4: 40 images from 0.4 s to 1.0 s
-    (tmp_path / "dp_resnet.py").write_text(
-        STANDIN + "print('epoch 1/1 | step 10/20 | loss 1.0 | 100 img/s')\n"
-        "print('epoch 1/1 | step 20/20 | loss 1.0 | 80 img/s')\n"
-    )
-    # ddp: 2 processes crash; 1 process: the 2nd epoch counts from its start, and the time from
-    # R (40 / 30 = 1.33 s) stays within the rounding of "X.X s" (1.45 s): 40 / 1.45 images/s
+    (tmp_path / "dp_resnet.py").write_text(STANDIN + "done(40.0)\n")
+    # ddp: 2 processes crash; 1 process writes its figure
     (tmp_path / "ddp_resnet.py").write_text(
-        STANDIN + "if args[args.index('--nprocs') + 1] == '2':\n    sys.exit('boom')\n"
-        "print('epoch 1/2 | step 10/10 | loss 2.0 | 9 img/s | 4.4 s')\n"
-        "print('epoch 2/2 | step 5/10 | loss 1.0 | 20 img/s | 1.0 s')\n"
-        "print('epoch 2/2 | step 10/10 | loss 1.0 | 30 img/s | 1.5 s')\n"
+        STANDIN + "if args[args.index('--nprocs') + 1] == '2':\n    sys.exit('boom')\ndone(30.0)\n"
     )
     res = bench(tmp_path / "runs", 60, "--bench-batch", "4", cwd=tmp_path, check=False)
     assert res.returncode == 1, res.stdout + res.stderr
     rows = bench_table(res.stdout)
     assert rows[1, "dp"] == dict(
-        n="1", mode="dp", precision="fp32", ips="66.7", scaling="1.00", vs_dp="-"
+        n="1", mode="dp", precision="fp32", ips="40.0", scaling="1.00", vs_dp="-"
     )
-    assert (rows[1, "ddp"]["ips"], rows[1, "ddp"]["vs_dp"]) == ("27.6", "0.41")
+    assert (rows[1, "ddp"]["ips"], rows[1, "ddp"]["vs_dp"]) == ("30.0", "0.75")
     assert rows[2, "ddp"]["ips"] == "FAILED (exit 1)" and rows[2, "ddp"]["scaling"] == "-"
     assert "boom" in res.stdout  # the failed run's last lines
     assert res.stdout.rstrip().endswith("run_all: 1 of 3 runs FAILED")
-    assert bench_table((tmp_path / "runs" / "bench.md").read_text()) == rows
+    assert bench_table((own_folder(res.stdout) / "bench.md").read_text()) == rows
     # what each run got: the batch, the CPU, no workers (and, above, an empty checkpoint folder)
     dp_args = (tmp_path / "dp_resnet.py.args").read_text()
     assert dp_args.startswith("--batch-size 4 --cpu --arch resnet18 --image-size 32 --workers 0")

@@ -1,5 +1,5 @@
-"""ddp_fashionmnist.py: a spawned copy, the test set counted once, the loss per image, and bad data
-in one line (torchrun and real accuracy: test_fixes.py)."""
+"""ddp_fashionmnist.py: a spawned copy, the test set counted once, the loss per image, DDP on two
+ranks equal to one process, and bad data (torchrun and real accuracy: test_fixes.py)."""
 
 import gzip
 import shutil
@@ -7,12 +7,12 @@ import shutil
 import pytest
 
 from conftest import (
+    ONE_THREAD,
     ROOT,
     debian_fmnist,
     finish,
     finish_all,
     fm_report,
-    last_line,
     metrics,
     python,
     start,
@@ -52,26 +52,52 @@ def test_each_test_image_once_and_the_loss_per_image(tmp_path):
     assert metrics(outs[29999])["final_loss"] == pytest.approx(m["final_loss"], rel=1e-4)
 
 
-def test_bad_data_is_one_line_before_any_rank_starts(tmp_path):
+@pytest.mark.learned  # two trainings on the real data, compared with each other
+def test_ddp_on_two_ranks_equals_one_process_on_their_global_batch(tmp_path):
+    """DDP averages the ranks' gradients: 2 ranks of batch 50 train on the same global batches
+    as 1 process of batch 100 (DistributedSampler deals one shuffled order out in turn), so both
+    end with the same loss and score the same test images right. At lr 0.001 the two agree to
+    7 digits; at the tutorial's 0.01 the training is chaotic (one process on 1 or 2 threads
+    already ends 0.70 or 0.78), so the test uses 0.001."""
+    root = debian_root(tmp_path / "data")
+    flags = ["--cpu", "--data", root, "--epochs", 1, "--lr", 0.001, "--timeout", 60]
+    outs = {n: tmp_path / f"{n}.json" for n in (1, 2)}
+    procs = [
+        start(
+            python(
+                "ddp_fashionmnist.py",
+                *flags,
+                "--nprocs",
+                n,
+                "--batch-size",
+                100 // n,
+                "--metrics-out",
+                out,
+            ),
+            env=ONE_THREAD,
+        )
+        for n, out in outs.items()
+    ]
+    finish_all(procs, timeout=180)
+    one, two = metrics(outs[1]), metrics(outs[2])
+    assert (one["world_size"], two["world_size"]) == (1, 2)
+    assert two["final_loss"] == pytest.approx(one["final_loss"], rel=1e-4)
+    assert abs(two["test_correct"] - one["test_correct"]) <= 10, (one, two)
+    assert one["test_samples"] == two["test_samples"] == 10000
+
+
+def test_bad_data_fails_before_training_and_names_the_cause(tmp_path):
+    """A damaged file: torchvision's own error, from the rank that reads it first, and no
+    start line. A mistyped flag: argparse's one line."""
     root = debian_root(tmp_path / "cut")
     raw = root / "FashionMNIST" / "raw" / "t10k-images-idx3-ubyte"
     raw.write_bytes(raw.read_bytes()[:-1000])  # truncated
-    (tmp_path / "file").write_text("not a folder")
-    # A LOCAL_RANK left in the shell, RANK unset (the second case): the launcher still spawns
-    # the ranks, so it still reads (or downloads) the data first. Before, it left that to a
-    # torchrun process of LOCAL_RANK 0 that did not exist, and each rank failed with a traceback.
-    cases = [  # all at once: each stops before any rank starts
-        (["--data", root], {}, 1, f"error: FashionMNIST in {root}: "),
-        (
-            ["--data", tmp_path / "file"],
-            {"LOCAL_RANK": "1"},
-            1,
-            f"error: FashionMNIST in {tmp_path / 'file'}: ",
-        ),
-        (["--epochs", 0], {}, 2, "ddp_fashionmnist.py: error: argument --epochs: expected a whole"),
+    cases = [  # at once: each stops before training
+        (["--data", root], 1, "shape '[10000, 28, 28]' is invalid for input of size"),
+        (["--epochs", 0], 2, "ddp_fashionmnist.py: error: argument --epochs: invalid positive"),
     ]
-    procs = [start(python("ddp_fashionmnist.py", "--cpu", *f), env=e) for f, e, _, _ in cases]
-    for proc, (_, _, code, line) in zip(procs, cases, strict=True):
+    procs = [start(python("ddp_fashionmnist.py", "--cpu", *f)) for f, _, _ in cases]
+    for proc, (_, code, cause) in zip(procs, cases, strict=True):
         res = finish(proc, timeout=120, check=False)
-        assert res.returncode == code and last_line(res.stderr).startswith(line), res.stderr
+        assert res.returncode == code and cause in res.stderr, res.stderr[-3000:]
         assert "start |" not in res.stdout

@@ -1,4 +1,4 @@
-"""When things go wrong: busy ports, dead, hung and failing ranks, Ctrl-C, a full disk. CPU,
+"""When things go wrong: dead, hung and failing ranks, a stop, Ctrl-C, a full disk. CPU,
 gloo, loopback only; every run under a hard timeout, and no process may outlive its test."""
 
 import math
@@ -6,7 +6,6 @@ import os
 import re
 import resource
 import signal
-import socket
 import subprocess
 import time
 
@@ -21,7 +20,6 @@ from conftest import (
     finish_all,
     lines,
     metrics,
-    occupy,
     python,
     run,
     same_weights,
@@ -32,19 +30,6 @@ from conftest import (
 
 FM = ["--cpu", "--synthetic", "--timeout", "10"]
 TIMEOUT = 180
-
-
-def listening_ports() -> dict:
-    """{port: local address} of TCP sockets in LISTEN state, from /proc/net/tcp and tcp6."""
-    ports = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                local, state = line.split()[1], line.split()[3]
-                if state == "0A":
-                    addr, port = local.split(":")
-                    ports[int(port, 16)] = addr
-    return ports
 
 
 def children(pid: int) -> list:
@@ -68,143 +53,33 @@ def wait_for_ranks(proc, count: int, under_torchrun: bool, timeout: float = 60) 
     pytest.fail(f"the run never had {count} ranks")
 
 
-def in_use(stderr: str, port: int) -> None:
-    """The one line of a refused MASTER_PORT (torch's words for EADDRINUSE), and nothing else;
-    it ends with the fix (before, torch's words alone)."""
-    assert stderr.startswith("error: ") and len(stderr.splitlines()) == 1, stderr[-3000:]
-    assert "address already in use" in stderr.lower() and str(port) in stderr, stderr
-    assert stderr.endswith("; unset MASTER_PORT for a free port, or choose another\n"), stderr
-
-
-def test_master_port_from_the_environment_is_held_and_a_busy_one_refused(tmp_path):
-    """Two runs started together with the same exported MASTER_PORT: the launcher that binds it
-    first holds it for its ranks, so the other is refused at once in one line (before, both
-    passed the launcher's check, and rank 0 of one died on the port 30 s before its rank 1)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    flags = [*RESNET, "--nprocs", 2, "--epochs", 1]
-    procs = [
-        start(
-            python("ddp_resnet.py", *flags, "--ckpt-dir", tmp_path / run),
-            env={"MASTER_PORT": str(port)},
-        )
-        for run in "ab"
-    ]
-    began, deadline, seen = time.monotonic(), time.monotonic() + 60, None
-    while seen is None and time.monotonic() < deadline and procs[0].poll() is None:
-        seen = listening_ports().get(port)
-        time.sleep(0.02)
-    results = finish_all(procs, timeout=TIMEOUT, check=False)
-    assert seen is not None, f"nothing listened on MASTER_PORT {port} during the runs"
-    assert sorted(r.returncode for r in results) == [0, 1], [r.stderr[-2000:] for r in results]
-    refused = next(r for r in results if r.returncode)
-    in_use(refused.stderr, port)
-    assert "start |" not in refused.stdout and time.monotonic() - began < TIMEOUT
-    s = occupy(0)  # taken by another program: refused the same way
-    try:
-        port = s.getsockname()[1]
-        res = run(
-            python("ddp_gather.py", "--cpu"),
-            timeout=60,
-            check=False,
-            env={"MASTER_PORT": str(port)},
-        )
-    finally:
-        s.close()
-    assert res.returncode == 1
-    in_use(res.stderr, port)
-
-
-def test_empty_or_leftover_rendezvous_variables(tmp_path):
-    """A variable set but empty (MASTER_ADDR=$(cmd) where cmd failed) counts as unset; a RANK
-    without the rest of a group is one line that names what is missing. Before: an empty
-    MASTER_ADDR hung the launcher in its own store for minutes, whatever --timeout said (hence
-    the hard timeout here, well under that); an empty MASTER_PORT, a RANK alone and an empty
-    MASTER_ADDR under RANK were tracebacks."""
-    runs = {  # the first: each empty variable alone failed before; all at once, one run
-        "all four empty": {"MASTER_ADDR": "", "MASTER_PORT": "", "RANK": "", "WORLD_SIZE": ""},
-        "RANK alone": {"RANK": "0"},
-        "empty MASTER_ADDR under RANK": {
-            "RANK": "0",
-            "WORLD_SIZE": "1",
-            "MASTER_ADDR": "",
-            "MASTER_PORT": "29400",
-        },
-    }
-    procs = [start(python("ddp_gather.py", "--cpu", "--timeout", 20), env=e) for e in runs.values()]
-    results = dict(zip(runs, finish_all(procs, timeout=60, check=False), strict=True))
-    res = results["all four empty"]
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.splitlines()[-1] == "done | gathered 2 objects | backend gloo"
-    for name, missing in (
-        ("RANK alone", "WORLD_SIZE"),
-        ("empty MASTER_ADDR under RANK", "MASTER_ADDR"),
-    ):
-        res = results[name]
-        assert res.returncode == 1 and len(res.stderr.splitlines()) == 1, (name, res.stderr)
-        assert (
-            f"environment variable {missing} expected, but not set; RANK is set, so" in res.stderr
-        )
-        assert res.stderr.rstrip().endswith(
-            "set WORLD_SIZE, MASTER_ADDR and MASTER_PORT too, or unset RANK"
-        ), res.stderr
-
-
-def test_an_unwritable_metrics_file_is_refused_before_any_rank_starts(read_only):
-    """--metrics-out in a folder that exists but cannot be written: one line before training,
-    not rank 0's traceback once the run is over. (Under torchrun: the next test. The two ResNet
-    scripts: test_resnet.py::test_bad_input_is_one_line_and_nothing_starts.)"""
-    folder, why = read_only
-    out = folder / "m.json"
-    cmds = [
-        python("ddp_gather.py", "--cpu", "--metrics-out", out),
-        python("ddp_fashionmnist.py", *FM, "--metrics-out", out),
-    ]
-    results = finish_all([start(c) for c in cmds], timeout=TIMEOUT, check=False)
-    for cmd, res in zip(cmds, results, strict=True):
-        assert res.returncode == 1 and "start |" not in res.stdout, (cmd, res.stderr[-2000:])
-        line = f"error: {why}: '{out}'"
-        assert sum(x == line for x in res.stderr.splitlines()) == 1, (cmd, res.stderr[-2000:])
-
-
-def test_under_torchrun_a_refusal_is_one_line_a_node(tmp_path, read_only):
-    """Under torchrun one process a node (local rank 0) checks the input and says why in one
-    line; the others wait for rank 0 until torchrun stops them, and torchrun adds its failure
-    report. Before, every rank checked and printed the line. (A mistyped flag is argparse's, in
-    every rank: they all parse.) The gather's --metrics-out is in a folder that cannot be
-    written."""
-    folder, why = read_only
+def test_under_torchrun_a_refusal_is_one_line(tmp_path):
+    """Under torchrun rank 0 decides on --ckpt-dir for every rank, inside the group: one line
+    from rank 0, every rank exits 1, and torchrun adds its failure report (docs/cluster.md)."""
     used = tmp_path / "used"
     used.mkdir()
     (used / "epoch_1.pt").write_bytes(b"another run's")
-    cases = [  # all at once: each stops before any rank trains
-        ("ddp_resnet.py", [*RESNET, "--ckpt-dir", used], f"error: {used / 'epoch_1.pt'} exists: "),
-        (
-            "ddp_gather.py",
-            ["--cpu", "--metrics-out", folder / "m.json"],
-            f"error: {why}: '{folder / 'm.json'}'",
-        ),
-    ]
-    procs = [start(torchrun(script, 2, *flags)) for script, flags, _ in cases]
-    for proc, (script, _, line) in zip(procs, cases, strict=True):
-        res = finish(proc, TIMEOUT, check=False)
-        assert res.returncode == 1, (script, res.stderr)
-        assert sum(x.startswith(line) for x in res.stderr.splitlines()) == 1, res.stderr
-        assert f"{script} FAILED" in res.stderr  # torchrun's report (docs/cluster.md)
-        assert "start |" not in res.stdout
+    res = run(torchrun("ddp_resnet.py", 2, *RESNET, "--ckpt-dir", used), TIMEOUT, check=False)
+    line = f"error: {used / 'epoch_1.pt'} exists: add --resume to go on, or use another --ckpt-dir"
+    assert res.returncode == 1 and res.stderr.splitlines().count(line) == 1, res.stderr
+    assert "ddp_resnet.py FAILED" in res.stderr and "start |" not in res.stdout
+    assert (used / "epoch_1.pt").read_bytes() == b"another run's"
 
 
 @pytest.mark.parametrize("launcher", ["spawn", "torchrun"])
 def test_killed_rank_ends_the_job_within_seconds(launcher):
+    """A rank killed mid-training ends the job within seconds, and the output names it.
+    Spawned, each rank gets its share of the cores, also where OMP_NUM_THREADS is set but empty
+    (once, an empty one was kept, and every rank took all cores)."""
     flags = [*FM, "--epochs", 100]
     proc = start(
         python("ddp_fashionmnist.py", "--nprocs", 2, *flags)
         if launcher == "spawn"
-        else torchrun("ddp_fashionmnist.py", 2, *flags)
+        else torchrun("ddp_fashionmnist.py", 2, *flags),
+        env={"OMP_NUM_THREADS": ""},
     )
     ranks = wait_for_ranks(proc, 2, launcher == "torchrun")
-    if launcher == "spawn":  # each rank gets its share of the cores, not all of them each
+    if launcher == "spawn":
         threads = [open(f"/proc/{pid}/environ").read().split("\0") for pid in ranks]
         assert [[v for v in t if v.startswith("OMP_NUM_THREADS=")] for t in threads] == [
             [f"OMP_NUM_THREADS={max(1, os.cpu_count() // 2)}"]
@@ -215,8 +90,11 @@ def test_killed_rank_ends_the_job_within_seconds(launcher):
     killed = time.monotonic()
     res = finish(proc, timeout=60, check=False)  # also fails if any process is left
     assert res.returncode != 0 and time.monotonic() - killed < 15
-    if launcher == "spawn":
-        assert res.stderr.splitlines()[-1] == "error: process 1 terminated with signal SIGKILL"
+    if launcher == "spawn":  # torch's own words, the last line of its traceback
+        assert res.stderr.splitlines()[-1] == (
+            "torch.multiprocessing.spawn.ProcessExitedException: process 1 terminated with "
+            "signal SIGKILL"
+        )
 
 
 def test_hung_rank_ends_the_job_after_the_timeout():
@@ -351,7 +229,7 @@ def test_dataset_not_divisible_by_world_size(tmp_path):
 
 
 # --- checkpoints at the worst moments ---
-LONG = [*RESNET[:-4], "--max-steps", 6, "--log-every", 2, "--timeout", 60]  # 6 steps an epoch
+LONG = [*RESNET[:-4], "--max-steps", 12, "--timeout", 60]  # 12 steps an epoch, a line at 10
 
 
 def command(how: str, *flags) -> list:
@@ -359,9 +237,7 @@ def command(how: str, *flags) -> list:
         return python("ddp_resnet.py", "--nprocs", 2, *LONG, *flags)
     if how == "torchrun":
         return torchrun("ddp_resnet.py", 2, *LONG, *flags)
-    return python(
-        "dp_resnet.py", *[f for f in LONG if f not in ("--timeout", 60, "--log-every", 2)], *flags
-    )
+    return python("dp_resnet.py", *LONG[:-2], *flags)
 
 
 def saved(folder) -> list:
@@ -433,7 +309,7 @@ def test_a_stop_mid_epoch_then_ctrl_c_during_a_save_then_resume(how, tmp_path):
     res = finish(proc, timeout=30, check=False)
     assert time.monotonic() - sent < 15
     interrupted(res, how)
-    assert re.search(r"epochs 2-3$", res.stdout.splitlines()[0]), res.stdout  # went on from 1
+    assert "| epochs 2-3 |" in res.stdout.splitlines()[0], res.stdout  # went on from 1
     done = saved(folder)  # the save under way is either whole or gone; the newest one loads
     assert done in ([1], [1, 2])  # (--resume from it: test_resnet.py, and after a full disk)
     torch.load(folder / f"epoch_{done[-1]}.pt", weights_only=True)
@@ -457,31 +333,18 @@ def small_disk(tmp_path):
     subprocess.run(["umount", "-l", disk])
 
 
-@pytest.mark.parametrize("how", ["spawn", "torchrun"])
-def test_full_disk_during_a_save(how, small_disk, uninterrupted):
+def test_full_disk_during_a_save(small_disk, uninterrupted):
+    """A full disk during rank 0's second save: the run ends, naming the cause; epoch_1.pt stays
+    whole; with space freed, --resume ends where a run never stopped ends."""
     folder = small_disk / "ckpt"
-    flags = [*RESNET, "--epochs", 3, "--ckpt-dir", folder]
-    cmd = (
-        python("ddp_resnet.py", "--nprocs", 2, *flags)
-        if how == "spawn"
-        else torchrun("ddp_resnet.py", 2, *flags)
-    )
-    res = run(cmd, timeout=TIMEOUT, check=False, env=ONE_THREAD)
-    line = (
-        f"error: cannot save {folder / 'epoch_2.pt'} (No space left on device); fix that, rerun with "
-        f"--resume"
-    )
-    assert res.returncode == 1 and line in res.stderr.splitlines(), res.stderr[-3000:]
-    assert 'resnet.py", line' not in res.stderr  # no traceback of ours
+    flags = [*RESNET, "--nprocs", 2, "--epochs", 3, "--ckpt-dir", folder]
+    res = run(python("ddp_resnet.py", *flags), timeout=TIMEOUT, check=False, env=ONE_THREAD)
+    # Python's own words, from rank 0's save to a file object
+    assert res.returncode != 0 and "OSError: [Errno 28] No space left on device" in res.stderr
     assert saved(folder) == [1]
-    if how == "spawn":  # space freed: --resume ends where a run never stopped ends
-        subprocess.run(["mount", "-o", "remount,size=400m", small_disk], check=True)
-        run(
-            python("ddp_resnet.py", "--nprocs", 2, *flags, "--resume"),
-            timeout=TIMEOUT,
-            env=ONE_THREAD,
-        )
-        same_weights(uninterrupted[0] / "epoch_3.pt", folder / "epoch_3.pt")
+    subprocess.run(["mount", "-o", "remount,size=400m", small_disk], check=True)
+    run(python("ddp_resnet.py", *flags, "--resume"), timeout=TIMEOUT, env=ONE_THREAD)
+    same_weights(uninterrupted[0] / "epoch_3.pt", folder / "epoch_3.pt")
 
 
 def test_file_size_limit_during_a_dp_save(tmp_path):
@@ -497,11 +360,7 @@ def test_file_size_limit_during_a_dp_save(tmp_path):
         check=False,
         preexec_fn=limit,
     )
-    assert res.returncode == 1
-    assert (
-        res.stderr
-        == f"error: cannot save {folder / 'epoch_1.pt'} (File too large); fix that, rerun with --resume\n"
-    )
+    assert res.returncode != 0 and "OSError: [Errno 27] File too large" in res.stderr
     assert saved(folder) == []
     run(command("dp", "--epochs", 2, "--resume", "--ckpt-dir", folder), timeout=TIMEOUT)
     assert saved(folder) == [1, 2]

@@ -1,11 +1,13 @@
 """run_all.sh: runs every script, prints one summary table, fails when a run fails, leaves no
-process behind, and runs again in a used RUNS_DIR."""
+process behind, and writes into a folder of its own: two calls at once in one RUNS_DIR keep
+their own rows, and a user's files there stay as they were."""
 
 import os
 import shutil
 import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -24,12 +26,21 @@ FRESH = (
     "import glob, sys\nckpt = sys.argv[sys.argv.index('--ckpt-dir') + 1]\n"
     "assert not glob.glob(ckpt + '/epoch_*.pt'), 'a used checkpoint folder'\n"
 )
+# stand-ins that pass at once, with the metrics each real script writes
+FM = METRICS + "json.dump({'test_accuracy': 0.5, 'final_loss': 1.0}, open(out, 'w'))\n"
+RESNET = FRESH + METRICS + "json.dump({'images_per_sec': 9.0, 'final_loss': 2.0}, open(out, 'w'))\n"
 
 
 def start_run_all(cwd, runs, env=None):
-    """bash run_all.sh in `cwd`, with its logs, metrics and checkpoints in `runs`."""
+    """bash run_all.sh in `cwd`, with its logs, metrics and checkpoints under `runs`."""
     env = {"RUNS_DIR": str(runs), "PYTHON": sys.executable, **(env or {})}
     return start(["bash", str(cwd / "run_all.sh")], cwd=cwd, env=env)
+
+
+def own_folder(stdout: str):
+    """The folder a call of run_all.sh wrote into, as its last lines say."""
+    line = next(x for x in stdout.splitlines() if x.startswith("run_all: logs, metrics"))
+    return Path(line.split(" in ", 1)[1])
 
 
 def table(stdout: str) -> dict:
@@ -105,40 +116,46 @@ def test_run_all_passes_where_nvidia_smi_lists_a_gpu_torch_cannot_see(tmp_path):
     assert "test_accuracy" in fm
     if DEBIAN_FMNIST.is_dir():  # unzipped into ./data: real images, not random ones
         assert fm.endswith(", real data") and float(fm.split()[2].strip(",")) > 0.5, fm
-    dp = metrics(tmp_path / "dp_resnet_single_1.json")
+    out = own_folder(res.stdout)
+    assert out.parent == tmp_path
+    dp = metrics(out / "dp_resnet_single_1.json")
     ips, loss = dp["images_per_sec"], dp["final_loss"]
     assert (
         rows["dp_resnet.py", "single"]["result"]
         == f"ok: images_per_sec {ips:.4g}, final_loss {loss:.4g}"
     )
     assert res.stdout.rstrip().endswith("run_all: all 5 runs passed")
-    # what the next run in this RUNS_DIR finds (the next test)
-    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["epoch_1.pt", "epoch_2.pt"]
-    assert len((tmp_path / "runs.tsv").read_text().splitlines()) == 5
+    for script in ("dp_resnet", "ddp_resnet"):  # each run's checkpoints, in a folder of its own
+        assert sorted(p.name for p in (out / f"{script}.ckpt").iterdir()) == [
+            "epoch_1.pt",
+            "epoch_2.pt",
+        ]
 
 
-def test_again_in_a_used_runs_dir_goes_on_past_failed_and_killed_runs(tmp_path):
-    """Again in a RUNS_DIR as the run above leaves it: every run starts fresh, and the table
-    has this run's rows alone. A run that fails, one that writes no metrics and one whose
-    launcher is killed (its ranks must go too) each fail their row, and the others still run;
-    exit 1. Stand-ins, quick, except the FashionMNIST run, whose launcher is killed; the
-    ResNets' stand-ins fail on a used checkpoint folder, as the real ResNets do."""
-    (tmp_path / "ckpt").mkdir()
-    for name in ("epoch_1.pt", "epoch_2.pt"):
-        (tmp_path / "ckpt" / name).touch()
-    old = f"dp_resnet.py\tsingle\t1\tnone\t\t0\t1\t2\t{tmp_path / 'dp_resnet_single_1'}\n"
-    (tmp_path / "runs.tsv").write_text(old * 5)
-    again = tmp_path / "again"
-    copy_with(again, ddp_gather=GATHER, ddp_fashionmnist=None)
+def test_two_calls_at_once_in_one_runs_dir_keep_their_own_rows_and_the_users_files(tmp_path):
+    """Two calls at once in a RUNS_DIR that holds a user's own ckpt/ and runs.tsv: each call
+    writes into a new folder of its own, its table has its own rows alone, and the user's files
+    stay as they were (once, run_all.sh deleted RUNS_DIR/ckpt and emptied RUNS_DIR/runs.tsv,
+    and two calls printed each other's rows). In one call, a run that fails, one that writes no
+    metrics and one whose launcher is killed (its ranks must go too) each fail their row, and
+    the others still run; exit 1. Stand-ins, quick, except the FashionMNIST run, whose launcher
+    is killed."""
+    runs = tmp_path / "runs"
+    (runs / "ckpt").mkdir(parents=True)
+    (runs / "ckpt" / "epoch_1.pt").write_bytes(b"the user's")
+    (runs / "runs.tsv").write_text("the user's\n")
+    failing, passing = tmp_path / "failing", tmp_path / "passing"
+    copy_with(failing, ddp_gather=GATHER, ddp_fashionmnist=None)
     # dp_resnet.py fails, ddp_resnet.py exits 0 but writes no metrics
-    copy_with(again, dp_resnet=FRESH + "sys.exit('boom')\n", ddp_resnet=FRESH)
-    proc = start_run_all(again, tmp_path)
-    kill_the_launcher(proc, "ddp_fashionmnist.py")
-    res = finish(proc, timeout=180, check=False)  # fails if any rank outlived its launcher
+    copy_with(failing, dp_resnet=FRESH + "sys.exit('boom')\n", ddp_resnet=FRESH)
+    copy_with(passing, ddp_gather=GATHER, ddp_fashionmnist=FM, dp_resnet=RESNET, ddp_resnet=RESNET)
+    procs = [start_run_all(failing, runs), start_run_all(passing, runs)]
+    kill_the_launcher(procs[0], "ddp_fashionmnist.py")
+    res = finish(procs[0], timeout=180, check=False)  # fails if any rank outlived its launcher
+    ok = finish(procs[1], timeout=60)
     assert res.returncode == 1, res.stdout + res.stderr
     rows = table(res.stdout)
-    # this run's 5 rows, none left from the run before (table() refuses a row twice)
-    assert len(rows) == 5
+    assert len(rows) == 5  # this call's rows alone (table() refuses a row twice)
     for launch in ("spawn", "torchrun"):
         assert rows["ddp_gather.py", launch]["result"] == "ok: gathered ranks [0, 1]"
     assert rows["ddp_fashionmnist.py", "spawn"]["result"] == "FAILED (exit 137)"
@@ -147,6 +164,12 @@ def test_again_in_a_used_runs_dir_goes_on_past_failed_and_killed_runs(tmp_path):
     assert "a used checkpoint folder" not in res.stdout
     assert rows["ddp_resnet.py", "spawn"]["result"] == "FAILED (no metrics)"
     assert res.stdout.rstrip().endswith("run_all: 3 of 5 runs FAILED")
+    rows = table(ok.stdout)
+    assert len(rows) == 5 and all(r["result"].startswith("ok: ") for r in rows.values()), rows
+    assert ok.stdout.rstrip().endswith("run_all: all 5 runs passed")
+    assert own_folder(res.stdout) != own_folder(ok.stdout)
+    assert (runs / "ckpt" / "epoch_1.pt").read_bytes() == b"the user's"
+    assert (runs / "runs.tsv").read_text() == "the user's\n"
 
 
 def test_an_unknown_option_is_one_line_and_exit_2():
