@@ -36,26 +36,25 @@ from torchvision import datasets
 
 def ddp_setup(local_rank, args):
     """Join the process group; return this rank's device."""
-    # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on CPUs
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
     if cuda:
         # before the first collective, or every rank would use cuda:0
         torch.cuda.set_device(device)
-    # Spawned by launch() below, this process is rank local_rank of --nprocs, as
-    # in the tutorial; under torchrun, RANK and WORLD_SIZE say it
+    # mp.spawn numbers the ranks from 0; torchrun sets RANK and WORLD_SIZE
     rank = int(os.environ.get("RANK") or local_rank)
     world_size = int(os.environ.get("WORLD_SIZE") or args.nprocs)
     dist.init_process_group(
+        # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on CPUs
         "nccl" if cuda else "gloo",
         rank=rank,
         world_size=world_size,
-        # a lost rank ends the job after --timeout, not a hang
+        # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL: this rank's GPU from the start, also for barrier()
+        # NCCL sets up on this rank's GPU now, not at the first collective
         device_id=device if cuda else None,
     )
-    # a stop (SIGTERM) raises KeyboardInterrupt, as Ctrl-C does: clean-up runs
+    # a stop (SIGTERM) ends this rank as Ctrl-C does: a save removes its .tmp
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     return device
 
@@ -66,17 +65,18 @@ def print0(*args, **kwargs):
 
 
 def load_datasets(args):
-    """The training and the test set, each as two tensors."""
+    """The training and the test set, held in memory."""
     if args.synthetic:
-        # random data of FashionMNIST's shapes, the same in every rank (seed 0)
+        # random data of FashionMNIST's shapes, the same in every rank (main seeds it)
         images = torch.rand(70000, 1, 28, 28)
         data = TensorDataset(images, torch.randint(10, (70000,)))
         return random_split(data, [60000, 10000])
     sets = [
-        datasets.FashionMNIST(args.data, train=train, download=True)
-        for train in (True, False)
+        datasets.FashionMNIST(args.data, train=is_train, download=True)
+        for is_train in (True, False)
     ]
-    # fixed: the tutorial's ToTensor() and then / 255 scaled twice
+    # fixed: the tutorial's ToTensor() and then / 255 scaled twice; here the
+    # images are scaled once, into [0, 1]
     return [TensorDataset(s.data.unsqueeze(1) / 255, s.targets) for s in sets]
 
 
@@ -117,16 +117,17 @@ def train(model, train_loader, loss_function, optimizer, device, args):
         running_loss = torch.zeros((), device=device)
         began = time.monotonic()
         for images, labels in train_loader:
-            # fixed: no second / 255
+            # fixed: the images are in [0, 1] already: no second / 255
             images, labels = images.to(device), labels.to(device)
             optimizer.zero_grad()
             loss = loss_function(model(images), labels)
             loss.backward()
             optimizer.step()
-            # by its images: a short last batch counts for less
+            # times its images: a short last batch weighs less
             running_loss += loss.detach() * len(labels)
         # fixed: the tutorial prints rank 0's loss alone; this sums every rank's
         dist.all_reduce(running_loss)
+        # every rank's share of the images (the sampler pads them to one length)
         images_seen = len(train_loader.sampler) * dist.get_world_size()
         average_loss = running_loss.item() / images_seen
         rate = images_seen / (time.monotonic() - began)
@@ -138,13 +139,13 @@ def train(model, train_loader, loss_function, optimizer, device, args):
 
 @torch.no_grad()
 def test(model, test_set, device, batch_size):
-    """Accuracy over the test set, each image once (a DistributedSampler would
-    repeat some to even out the shares)."""
-    # every world_size-th image, from this rank's number on
+    """Accuracy over the whole test set, each image counted once."""
+    # every world_size-th image, from this rank's number on: a DistributedSampler
+    # would repeat some images to give every rank as many
     share = Subset(
         test_set, range(dist.get_rank(), len(test_set), dist.get_world_size())
     )
-    # [correct, seen]
+    # correct and seen, in one tensor for one all_reduce
     counts = torch.zeros(2, dtype=torch.long, device=device)
     model.eval()
     for images, labels in DataLoader(share, batch_size):
@@ -159,7 +160,8 @@ def test(model, test_set, device, batch_size):
 
 def main(local_rank, args):
     device = ddp_setup(local_rank, args)
-    # fixed: every rank downloaded at once; local rank 0 first, then the others
+    # fixed: every rank downloaded at once. Local rank 0 loads (and downloads)
+    # first; the other ranks wait at the barrier, then read its files.
     if local_rank > 0:
         dist.barrier()
     # seed 0: the same synthetic data in every rank, the same weights every run
@@ -172,11 +174,11 @@ def main(local_rank, args):
     loss_function = nn.CrossEntropyLoss()
     train_loader = prepare_dataloader(train_set, args.batch_size, device)
     world_size = dist.get_world_size()
-    data = "synthetic" if args.synthetic else args.data
+    data_name = "synthetic" if args.synthetic else args.data
     print0(
         f"start | {Path(__file__).name} | world_size {world_size}"
         f" | backend {dist.get_backend()} | device {device}"
-        f" | data {data} ({len(train_set)} images)"
+        f" | data {data_name} ({len(train_set)} images)"
         f" | batch {args.batch_size} x {world_size} | epochs {args.epochs}"
     )
     # DDP in train() shares my_net's weights: my_net is trained too
@@ -187,49 +189,57 @@ def main(local_rank, args):
         f" ({results['test_samples']} images)"
     )
     if dist.get_rank() == 0 and args.metrics_out:
-        results.update(script=Path(__file__).name, world_size=world_size, data=data)
-        results.update(backend=dist.get_backend(), device=device.type, final_loss=loss)
+        results.update(
+            script=Path(__file__).name,
+            world_size=world_size,
+            backend=dist.get_backend(),
+            device=device.type,
+            data=data_name,
+            final_loss=loss,
+        )
         Path(args.metrics_out).write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
 
 
-# --- launching: the same in the three DDP scripts ---
+# --- launching: the same in ddp_gather.py, ddp_fashionmnist.py, ddp_resnet.py ---
+# A copy of this section needs every line that is not marked optional.
 def launch(main, args):
     """Run main(local_rank, args) once in each rank."""
     try:
         if os.environ.get("RANK"):
-            # torchrun started this process as one rank (a pod without LOCAL_RANK:
-            # local rank 0); optional: record() puts its error in torchrun's report
+            # torchrun started this process as one rank (a pod that sets RANK
+            # alone: local rank 0)
             local_rank = int(os.environ.get("LOCAL_RANK") or 0)
+            # optional: record() adds this rank's error to torchrun's report
             return record(main)(local_rank, args)
         # optional, fixed: each rank gets its share of the cores, not all of them
         if not os.environ.get("OMP_NUM_THREADS"):
             threads = max(1, os.cpu_count() // args.nprocs)
             os.environ["OMP_NUM_THREADS"] = str(threads)
-        # fixed: a free port that the system picks, not the tutorial's 12355
+        # fixed: a free port, not the tutorial's 12355 (port 0: the system picks)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # needed: `kill` of this launcher stops every rank
+        # `kill` of this launcher stops every rank (terminate_ranks, below)
         signal.signal(signal.SIGTERM, terminate_ranks)
         ranks = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-        # optional: a rank that fails gives the others 5 s to end on their own
+        # optional: when a rank fails, the others get 5 s to end by themselves
         while not ranks.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: a rank that refused has said why; pass its exit code on
+        # optional: a rank that exited 1 has printed why, so no traceback here
         if e.exit_code < 0:
-            raise
+            raise  # killed by a signal: torch's message names it
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        # optional: Ctrl-C is quiet, with the shell's code for it
+        # optional: Ctrl-C (or a stop) ends quietly, with the shell's code for it
         sys.exit(130)
 
 
 def terminate_ranks(*_):
-    """SIGTERM to the launcher: each rank stops as on Ctrl-C."""
-    # once: a second SIGTERM would cut a rank's clean-up short
+    """SIGTERM to this launcher: each rank stops as on Ctrl-C."""
+    # ignore a second SIGTERM, which would cut the ranks' clean-up short
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for process in mp.active_children():
         process.terminate()

@@ -24,26 +24,25 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 def ddp_setup(local_rank, args):
     """Join the process group; return this rank's device."""
-    # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on CPUs
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
     if cuda:
         # before the first collective, or every rank would use cuda:0
         torch.cuda.set_device(device)
-    # Spawned by launch() below, this process is rank local_rank of --nprocs, as
-    # in the tutorial; under torchrun, RANK and WORLD_SIZE say it
+    # mp.spawn numbers the ranks from 0; torchrun sets RANK and WORLD_SIZE
     rank = int(os.environ.get("RANK") or local_rank)
     world_size = int(os.environ.get("WORLD_SIZE") or args.nprocs)
     dist.init_process_group(
+        # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on CPUs
         "nccl" if cuda else "gloo",
         rank=rank,
         world_size=world_size,
-        # a lost rank ends the job after --timeout, not a hang
+        # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL: this rank's GPU from the start, also for barrier()
+        # NCCL sets up on this rank's GPU now, not at the first collective
         device_id=device if cuda else None,
     )
-    # a stop (SIGTERM) raises KeyboardInterrupt, as Ctrl-C does: clean-up runs
+    # a stop (SIGTERM) ends this rank as Ctrl-C does: a save removes its .tmp
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     return device
 
@@ -54,17 +53,16 @@ def main(local_rank, args):
     world_size = dist.get_world_size()
     tensor = torch.ones(3, device=device) + rank
     data = {
-        # on the CPU: a GPU tensor is unpickled onto the sender's GPU
+        # a CPU copy: a CUDA tensor would arrive on the sender's GPU
         "tensor": tensor.cpu(),
         # fixed: the tutorial's [1, 2, 3] + rank is a TypeError
         "list": [x + rank for x in [1, 2, 3]],
         "dict": {"rank": rank},
     }
-    # Any picklable object, one place per rank, in rank order. Unpickling can
-    # run the sender's code: trusted peers only.
+    # room for one object from each rank, filled in rank order
     outputs = [None] * world_size
     dist.all_gather_object(outputs, data)
-    # Tensors of one shape, without pickle: for large or per-step data
+    # tensors of one shape travel without pickle: for large or per-step data
     tensors = [torch.empty_like(tensor) for _ in range(world_size)]
     dist.all_gather(tensors, tensor)
     if rank == 0:
@@ -75,49 +73,51 @@ def main(local_rank, args):
         results = dict(
             script=Path(__file__).name, world_size=world_size, gathered=outputs
         )
-        # tensors as lists
+        # JSON has no tensors: json.dumps writes each as its tolist()
         text = json.dumps(results, default=torch.Tensor.tolist)
         Path(args.metrics_out).write_text(text)
     dist.destroy_process_group()
 
 
-# --- launching: the same in the three DDP scripts ---
+# --- launching: the same in ddp_gather.py, ddp_fashionmnist.py, ddp_resnet.py ---
+# A copy of this section needs every line that is not marked optional.
 def launch(main, args):
     """Run main(local_rank, args) once in each rank."""
     try:
         if os.environ.get("RANK"):
-            # torchrun started this process as one rank (a pod without LOCAL_RANK:
-            # local rank 0); optional: record() puts its error in torchrun's report
+            # torchrun started this process as one rank (a pod that sets RANK
+            # alone: local rank 0)
             local_rank = int(os.environ.get("LOCAL_RANK") or 0)
+            # optional: record() adds this rank's error to torchrun's report
             return record(main)(local_rank, args)
         # optional, fixed: each rank gets its share of the cores, not all of them
         if not os.environ.get("OMP_NUM_THREADS"):
             threads = max(1, os.cpu_count() // args.nprocs)
             os.environ["OMP_NUM_THREADS"] = str(threads)
-        # fixed: a free port that the system picks, not the tutorial's 12355
+        # fixed: a free port, not the tutorial's 12355 (port 0: the system picks)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # needed: `kill` of this launcher stops every rank
+        # `kill` of this launcher stops every rank (terminate_ranks, below)
         signal.signal(signal.SIGTERM, terminate_ranks)
         ranks = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-        # optional: a rank that fails gives the others 5 s to end on their own
+        # optional: when a rank fails, the others get 5 s to end by themselves
         while not ranks.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: a rank that refused has said why; pass its exit code on
+        # optional: a rank that exited 1 has printed why, so no traceback here
         if e.exit_code < 0:
-            raise
+            raise  # killed by a signal: torch's message names it
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        # optional: Ctrl-C is quiet, with the shell's code for it
+        # optional: Ctrl-C (or a stop) ends quietly, with the shell's code for it
         sys.exit(130)
 
 
 def terminate_ranks(*_):
-    """SIGTERM to the launcher: each rank stops as on Ctrl-C."""
-    # once: a second SIGTERM would cut a rank's clean-up short
+    """SIGTERM to this launcher: each rank stops as on Ctrl-C."""
+    # ignore a second SIGTERM, which would cut the ranks' clean-up short
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for process in mp.active_children():
         process.terminate()

@@ -1,4 +1,4 @@
-"""DDP ResNet (AIME part 2, the DDP tutorial's checkpoints): rank 0 saves, all reload.
+"""DDP ResNet (AIME, part 2): rank 0 saves a checkpoint, every rank reloads it.
 
     python ddp_resnet.py          # one process per GPU, or 2 on a CPU
     torchrun --standalone --nproc-per-node=2 ddp_resnet.py --cpu --arch resnet18
@@ -26,32 +26,37 @@ import torch.multiprocessing as mp
 import torchvision.transforms as T
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
+from torch.utils.data import (
+    ConcatDataset,
+    DataLoader,
+    DistributedSampler,
+    Subset,
+    TensorDataset,
+)
 from torchvision import datasets, models
 
 
 def ddp_setup(local_rank, args):
     """Join the process group; return this rank's device."""
-    # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on CPUs
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
     if cuda:
         # before the first collective, or every rank would use cuda:0
         torch.cuda.set_device(device)
-    # Spawned by launch() below, this process is rank local_rank of --nprocs, as
-    # in the tutorial; under torchrun, RANK and WORLD_SIZE say it
+    # mp.spawn numbers the ranks from 0; torchrun sets RANK and WORLD_SIZE
     rank = int(os.environ.get("RANK") or local_rank)
     world_size = int(os.environ.get("WORLD_SIZE") or args.nprocs)
     dist.init_process_group(
+        # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on CPUs
         "nccl" if cuda else "gloo",
         rank=rank,
         world_size=world_size,
-        # a lost rank ends the job after --timeout, not a hang
+        # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL: this rank's GPU from the start, also for barrier()
+        # NCCL sets up on this rank's GPU now, not at the first collective
         device_id=device if cuda else None,
     )
-    # a stop (SIGTERM) raises KeyboardInterrupt, as Ctrl-C does: clean-up runs
+    # a stop (SIGTERM) ends this rank as Ctrl-C does: a save removes its .tmp
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     return device
 
@@ -64,7 +69,7 @@ def print0(*args, **kwargs):
 def load_datasets(args):
     """The training set, the validation set (or None), the number of classes."""
     size = args.image_size
-    # the tutorial's Resize(256) and CenterCrop(224), at any --image-size
+    # the tutorial's Resize(256) and CenterCrop(224), in proportion at any size
     preprocess = T.Compose(
         [
             T.Resize(size * 8 // 7),
@@ -74,38 +79,21 @@ def load_datasets(args):
         ]
     )
     if args.data:
-        # fixed: the tutorial's ImageFolder(root=, ...) is a syntax error
+        # fixed: the tutorial's ImageFolder(root=, ...) does not parse
         train = datasets.ImageFolder(args.data, transform=preprocess)
+        classes = train.classes
     else:
-        # 256 random images, a class each, 50 times over: no files to decode
+        # 256 random images, each its own class, 50 times over: no files to read
         images = TensorDataset(torch.randn(256, 3, size, size), torch.arange(256))
-        train = Subset(images, [i % 256 for i in range(12800)])
-        train.classes = list(range(256))
+        train = ConcatDataset([images] * 50)
+        classes = list(range(256))
     val = None
     if args.val_data:
         val = datasets.ImageFolder(args.val_data, transform=preprocess)
         # the same classes in the same order, or the labels mean other things
-        if val.classes != train.classes:
-            refuse(f"--val-data {args.val_data}: its classes are not --data's")
-    return train, val, len(train.classes)
-
-
-def prepare_dataloader(dataset, device, args, train=True):
-    # the training set: each rank its own shuffled share
-    sampler = DistributedSampler(dataset, seed=args.seed) if train else None
-    return DataLoader(
-        dataset,
-        args.batch_size,
-        sampler=sampler,
-        # fixed: per rank; the tutorial's 4 * GPUs in every rank
-        num_workers=args.workers,
-        # Loader workers start from a clean process: a fork of this rank, which
-        # runs gloo's or NCCL's threads, can hang on a lock one of them held
-        multiprocessing_context="forkserver" if args.workers else None,
-        pin_memory=device.type == "cuda",
-        # BatchNorm cannot train on a last batch of 1 image
-        drop_last=train,
-    )
+        if val.classes != classes:
+            exit_all_ranks(f"--val-data {args.val_data}: its classes are not --data's")
+    return train, val, len(classes)
 
 
 def build_model(args, num_classes):
@@ -113,12 +101,30 @@ def build_model(args, num_classes):
     return models.get_model(args.arch, weights=None, num_classes=num_classes)
 
 
+def prepare_dataloader(dataset, device, args):
+    return DataLoader(
+        dataset,
+        args.batch_size,
+        # each rank its own shuffled share of the training set
+        sampler=DistributedSampler(dataset, seed=args.seed),
+        # fixed: per rank; the tutorial's 4 workers a GPU in every rank
+        # multiply with the GPUs
+        num_workers=args.workers,
+        # the workers start from a fresh process, not from a fork of this rank,
+        # whose gloo or NCCL threads could leave a lock held
+        multiprocessing_context="forkserver" if args.workers else None,
+        pin_memory=device.type == "cuda",
+        # BatchNorm cannot train on a last batch of 1 image
+        drop_last=True,
+    )
+
+
 def train(model, dataloader, optimizer, device, epoch, steps, args):
     """One epoch: its mean loss over every rank's steps, and images/s."""
     # fixed: without set_epoch every epoch has the same order
     dataloader.sampler.set_epoch(epoch)
-    # Each rank and epoch its own random numbers (the workers' seeds, your
-    # augmentation or dropout); a resumed run draws what an unbroken run drew
+    # each rank and epoch its own random numbers (augmentation, dropout), the
+    # same ones again in a resumed run
     torch.manual_seed(hash((args.seed, epoch, dist.get_rank())))
     global_batch = args.batch_size * dist.get_world_size()
     # summed on the device: .item() at every step would wait for it
@@ -127,17 +133,18 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
     for step, (images, labels) in enumerate(islice(dataloader, steps), start=1):
         # non_blocking: the copy of a pinned batch overlaps the GPU's work
         images = images.to(device, non_blocking=True)
+        labels = labels.to(device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
         # --amp: bf16, which needs no GradScaler
         with torch.autocast(device.type, torch.bfloat16, enabled=args.amp):
-            loss = torch.nn.functional.cross_entropy(model(images), labels.to(device))
+            loss = torch.nn.functional.cross_entropy(model(images), labels)
         # DDP averages every rank's gradients here
         loss.backward()
         optimizer.step()
         loss_sum += loss.detach().float()
         # a line every 10 steps, at the last, and at least every 30 s
         if step % 10 == 0 or step == steps or time.monotonic() - last_print > 30:
-            # .item() waits for the device: the time after it is true
+            # .item() waits for the GPU: the time taken after it is right
             value = loss.item()
             last_print = time.monotonic()
             rate = step * global_batch / (last_print - began)
@@ -153,19 +160,19 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
 
 @torch.no_grad()
 def evaluate(model, val_set, device, args):
-    """Top-1 accuracy, each image once (a DistributedSampler pads with repeats)."""
-    # BatchNorm's running statistics differ between the ranks: score rank 0's,
-    # those of the model it saved
+    """Top-1 accuracy over the validation set, each image counted once."""
+    # BatchNorm's running statistics differ by rank: score with rank 0's
     for buffer in model.module.buffers():
         dist.broadcast(buffer, src=0)
-    # every world_size-th image, from this rank's number on
+    # every world_size-th image, from this rank's number on: a DistributedSampler
+    # would repeat some images to give every rank as many
     share = Subset(val_set, range(dist.get_rank(), len(val_set), dist.get_world_size()))
-    # [correct, seen]
+    # correct and seen, in one tensor for one all_reduce
     counts = torch.zeros(2, dtype=torch.int64, device=device)
     model.eval()
-    for images, labels in prepare_dataloader(share, device, args, train=False):
-        # model.module, not DDP's forward: that may broadcast the buffers, and a
-        # rank with one batch fewer would not join it
+    for images, labels in DataLoader(share, args.batch_size):
+        # the bare model: DDP's forward may start a collective, which a rank
+        # with a batch fewer would not join
         with torch.autocast(device.type, torch.bfloat16, enabled=args.amp):
             logits = model.module(images.to(device))
         counts[0] += (logits.argmax(1) == labels.to(device)).sum()
@@ -186,8 +193,8 @@ def newest_epoch(args):
 
 def save_model(epoch, model, optimizer, args):
     """Atomic: written to a .tmp file, fsynced, then renamed to epoch_N.pt."""
-    # fixed: no file.touch() first, which a crash left as an empty checkpoint
     file = Path(args.ckpt_dir) / f"epoch_{epoch}.pt"
+    # fixed: the tutorial's file.touch() left an empty checkpoint if the save failed
     tmp = Path(f"{file}.tmp")
     ckpt = dict(
         epoch=epoch,
@@ -196,13 +203,14 @@ def save_model(epoch, model, optimizer, args):
         optimizer_state_dict=optimizer.state_dict(),
     )
     try:
-        # to a file object: a full disk is an OSError that says so
+        # through a file object: a full disk is "No space left on device"
         with open(tmp, "wb") as f:
             torch.save(ckpt, f)
-            # on the disk before the rename publishes it
+            # on the disk before the rename makes it epoch_N.pt
             os.fsync(f.fileno())
         os.replace(tmp, file)
     finally:
+        # after a failure or Ctrl-C, no half-written .tmp is left
         tmp.unlink(missing_ok=True)
     return str(file)
 
@@ -213,12 +221,12 @@ def load_model(epoch, model, optimizer, device, args):
     # each rank only reads, and the next collective keeps the ranks together.
     dist.barrier()
     file = Path(args.ckpt_dir) / f"epoch_{epoch}.pt"
-    # fixed: onto this rank's own device (the tutorial's {"cuda:0": ...} fails
-    # on a CPU); weights_only: loading runs no code from the file
+    # fixed: onto this rank's own device; the tutorial maps cuda:0 to cuda:rank,
+    # which fails on a CPU. weights_only: the file cannot run code.
     ckpt = torch.load(file, map_location=device, weights_only=True)
     model.module.load_state_dict(ckpt["model_state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_state_dict"])
-    # --lr, not the checkpoint's, also on --resume
+    # the flag's lr, also on --resume: the checkpoint holds the old run's
     for group in optimizer.param_groups:
         group["lr"] = args.lr
 
@@ -235,18 +243,28 @@ def run_training_process_on_given_gpu(local_rank, args):
     model = DDP(net)
     params = model.parameters()
     optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9, weight_decay=1e-4)
-    steps = min(len(loader), args.max_steps or len(loader))
-    first_epoch = start(model, steps, len(train_set), device, args)
+    steps = len(loader)
+    if args.max_steps:
+        steps = min(steps, args.max_steps)
+    # fewer images than one global batch: drop_last leaves no step
+    if steps == 0:
+        exit_all_ranks(
+            f"{len(train_set)} images: too few for --batch-size {args.batch_size}"
+        )
+    first_epoch = decide_first_epoch(device, args)
+    print_start(model, steps, len(train_set), first_epoch, device, args)
     results = {}
     # fixed: the tutorial's range(1, 30) ran 29 epochs
-    for epoch in range(first_epoch, args.epochs + 1):
-        # the tutorial's pattern: each epoch starts from rank 0's checkpoint
+    epochs = range(first_epoch, args.epochs + 1)
+    for epoch in epochs:
+        # The tutorial's pattern: each epoch starts from the checkpoint that
+        # rank 0 saved; with --resume, the run goes on from there.
         if epoch > 1:
             load_model(epoch - 1, model, optimizer, device, args)
         loss, rate = train(model, loader, optimizer, device, epoch, steps, args)
         results.update(final_loss=loss, images_per_sec=rate)
         line = f"epoch {epoch}/{args.epochs} | loss {loss:.4f} | {rate:.0f} img/s"
-        # fixed: the global rank, one writer in all (the tutorial's is per node)
+        # fixed: the global rank 0 saves, one writer in all, not one a node
         if dist.get_rank() == 0:
             results["checkpoint"] = save_model(epoch, model, optimizer, args)
         if val_set is not None:
@@ -254,91 +272,108 @@ def run_training_process_on_given_gpu(local_rank, args):
             line += f" | val_accuracy {results['val_accuracy']:.4f}"
             line += f" ({results['val_samples']} images)"
         print0(line)
-    results["epochs_run"] = max(0, args.epochs + 1 - first_epoch)
+    results["epochs_run"] = len(epochs)
+    report(results, steps, device, args)
+    # torch 2.11 on gloo once hung at exit unless DDP's model went first
+    del model
+    dist.destroy_process_group()
+
+
+def decide_first_epoch(device, args):
+    """Epoch 1, or with --resume the one after the newest checkpoint. Rank 0
+    looks in --ckpt-dir and tells every rank: all start at the same epoch,
+    also where a node's folder holds other files."""
+    newest = torch.tensor(newest_epoch(args), device=device)
+    dist.broadcast(newest, src=0)
+    newest = newest.item()
+    # another run's checkpoints, which a later --resume would take for ours
+    if newest and not args.resume:
+        last = Path(args.ckpt_dir) / f"epoch_{newest}.pt"
+        exit_all_ranks(
+            f"{last} exists: add --resume to go on, or use another --ckpt-dir"
+        )
+    return newest + 1
+
+
+def print_start(model, steps, num_images, first_epoch, device, args):
+    """What runs where: the start line."""
+    world_size = dist.get_world_size()
+    line = (
+        f"start | {Path(__file__).name} | world_size {world_size}"
+        f" | backend {dist.get_backend()} | device {device}"
+        f" | model {type(model.module).__name__}"
+        f" | data {args.data or 'synthetic'} ({num_images} images)"
+        f" | batch {args.batch_size} x {world_size} | lr {args.lr} | steps {steps}"
+        f" | epochs {first_epoch}-{args.epochs} | ckpt_dir {args.ckpt_dir}"
+    )
+    if first_epoch > 1:
+        line += f" | resuming from epoch_{first_epoch - 1}.pt"
+    print0(line)
+
+
+def report(results, steps, device, args):
+    """The done line, and rank 0's --metrics-out."""
     print0(
         f"done | epochs_run {results['epochs_run']}"
         f" | final_loss {results.get('final_loss')}"
         f" | checkpoint {results.get('checkpoint')}"
     )
     if dist.get_rank() == 0 and args.metrics_out:
-        results.update(script=Path(__file__).name, world_size=dist.get_world_size())
-        results.update(backend=dist.get_backend(), device=device.type, steps=steps)
+        results.update(
+            script=Path(__file__).name,
+            world_size=dist.get_world_size(),
+            backend=dist.get_backend(),
+            device=device.type,
+            steps=steps,
+        )
         Path(args.metrics_out).write_text(json.dumps(results, indent=1))
-    # seen with torch 2.11 on gloo: a hang at exit unless DDP's model goes first
-    del model
-    dist.destroy_process_group()
 
 
-def start(model, steps, images, device, args):
-    """Print the start line; return the first epoch: 1, or with --resume the one
-    after the newest checkpoint. Rank 0 looks in --ckpt-dir and decides for every
-    rank: a node with a stale file in its listing cannot start elsewhere."""
-    newest = torch.tensor(newest_epoch(args), device=device)
-    dist.broadcast(newest, src=0)
-    newest = newest.item()
-    last = Path(args.ckpt_dir) / f"epoch_{newest}.pt"
-    # another run's checkpoints, which a later --resume would take as ours
-    if newest and not args.resume:
-        refuse(f"{last} exists: add --resume to go on, or use another --ckpt-dir")
-    # drop_last leaves no step with fewer images than one global batch
-    if steps == 0:
-        refuse(f"{images} images: too few for --batch-size {args.batch_size}")
-    world_size = dist.get_world_size()
-    print0(
-        f"start | {Path(__file__).name} | world_size {world_size}"
-        f" | backend {dist.get_backend()} | device {device}"
-        f" | model {type(model.module).__name__}"
-        f" | data {args.data or 'synthetic'} ({images} images)"
-        f" | batch {args.batch_size} x {world_size} | lr {args.lr} | steps {steps}"
-        f" | epochs {newest + 1}-{args.epochs} | ckpt_dir {args.ckpt_dir}"
-        + (f" | resuming from {last.name}" if newest else "")
-    )
-    return newest + 1
-
-
-def refuse(message):
+def exit_all_ranks(message):
     """Every rank stops here; rank 0 says why."""
     print0(f"error: {message}", file=sys.stderr)
     sys.exit(1)
 
 
-# --- launching: the same in the three DDP scripts ---
+# --- launching: the same in ddp_gather.py, ddp_fashionmnist.py, ddp_resnet.py ---
+# A copy of this section needs every line that is not marked optional.
 def launch(main, args):
     """Run main(local_rank, args) once in each rank."""
     try:
         if os.environ.get("RANK"):
-            # torchrun started this process as one rank (a pod without LOCAL_RANK:
-            # local rank 0); optional: record() puts its error in torchrun's report
+            # torchrun started this process as one rank (a pod that sets RANK
+            # alone: local rank 0)
             local_rank = int(os.environ.get("LOCAL_RANK") or 0)
+            # optional: record() adds this rank's error to torchrun's report
             return record(main)(local_rank, args)
         # optional, fixed: each rank gets its share of the cores, not all of them
         if not os.environ.get("OMP_NUM_THREADS"):
             threads = max(1, os.cpu_count() // args.nprocs)
             os.environ["OMP_NUM_THREADS"] = str(threads)
-        # fixed: a free port that the system picks, not the tutorial's 12355
+        # fixed: a free port, not the tutorial's 12355 (port 0: the system picks)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # needed: `kill` of this launcher stops every rank
+        # `kill` of this launcher stops every rank (terminate_ranks, below)
         signal.signal(signal.SIGTERM, terminate_ranks)
         ranks = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-        # optional: a rank that fails gives the others 5 s to end on their own
+        # optional: when a rank fails, the others get 5 s to end by themselves
         while not ranks.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: a rank that refused has said why; pass its exit code on
+        # optional: a rank that exited 1 has printed why, so no traceback here
         if e.exit_code < 0:
-            raise
+            raise  # killed by a signal: torch's message names it
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        # optional: Ctrl-C is quiet, with the shell's code for it
+        # optional: Ctrl-C (or a stop) ends quietly, with the shell's code for it
         sys.exit(130)
 
 
 def terminate_ranks(*_):
-    """SIGTERM to the launcher: each rank stops as on Ctrl-C."""
-    # once: a second SIGTERM would cut a rank's clean-up short
+    """SIGTERM to this launcher: each rank stops as on Ctrl-C."""
+    # ignore a second SIGTERM, which would cut the ranks' clean-up short
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for process in mp.active_children():
         process.terminate()
@@ -367,8 +402,8 @@ def parse_args():
     p.add_argument("--data", help="an ImageFolder; without it, random images")
     p.add_argument("--val-data", help="an ImageFolder of --data's classes")
     p.add_argument("--image-size", type=positive, default=224)
-    # torchvision's models that this loop trains (not googlenet, inception)
-    archs = models.list_models(models, exclude=["googlenet", "inception*"])
+    # torchvision's classification models, less two whose outputs are not a tensor
+    archs = models.list_models(module=models, exclude=["googlenet", "inception*"])
     p.add_argument("--arch", default="resnet50", choices=archs)
     p.add_argument("--workers", type=int, default=4 if gpus else 0, help="per rank")
     p.add_argument("--amp", action="store_true", help="bf16 autocast")
@@ -382,7 +417,7 @@ if __name__ == "__main__":
     args = parse_args()
     if args.data and not Path(args.data).is_dir():
         sys.exit(f"error: --data {args.data}: no such folder")
-    # --ckpt-dir: one that cannot be written is refused now, not after an epoch
+    # a test write: a folder that cannot be written fails now, not after an epoch
     try:
         Path(args.ckpt_dir).mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=args.ckpt_dir).close()

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 import torchvision.transforms as T
-from torch.utils.data import DataLoader, Subset, TensorDataset
+from torch.utils.data import ConcatDataset, DataLoader, TensorDataset
 from torchvision import datasets, models
 
 
@@ -31,10 +31,10 @@ def load_datasets(args):
     """The training set and its number of classes."""
     size = args.image_size
     if not args.data:
-        # 256 random images, a class each, 50 times over: no files to decode
+        # 256 random images, each its own class, 50 times over: no files to read
         images = TensorDataset(torch.randn(256, 3, size, size), torch.arange(256))
-        return Subset(images, [i % 256 for i in range(12800)]), 256
-    # the tutorial's Resize(256) and CenterCrop(224), at any --image-size
+        return ConcatDataset([images] * 50), 256
+    # the tutorial's Resize(256) and CenterCrop(224), in proportion at any size
     preprocess = T.Compose(
         [
             T.Resize(size * 8 // 7),
@@ -43,22 +43,9 @@ def load_datasets(args):
             T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
         ]
     )
-    # fixed: the tutorial's ImageFolder(root=, ...) is a syntax error
+    # fixed: the tutorial's ImageFolder(root=, ...) does not parse
     train = datasets.ImageFolder(args.data, transform=preprocess)
     return train, len(train.classes)
-
-
-def prepare_dataloader(dataset, gpus, args):
-    # fixed: shuffle=False gave every epoch one order; drop_last: BatchNorm
-    # cannot train on a last batch of 1 image
-    return DataLoader(
-        dataset,
-        args.batch_size,
-        shuffle=True,
-        num_workers=args.workers,
-        pin_memory=gpus > 0,
-        drop_last=True,
-    )
 
 
 def build_model(args, num_classes):
@@ -66,9 +53,24 @@ def build_model(args, num_classes):
     return models.get_model(args.arch, weights=None, num_classes=num_classes)
 
 
+def prepare_dataloader(dataset, gpus, args):
+    return DataLoader(
+        dataset,
+        # the global batch: DataParallel splits it between the GPUs
+        args.batch_size,
+        # fixed: the tutorial's shuffle=False gave every epoch one order
+        shuffle=True,
+        num_workers=args.workers,
+        pin_memory=gpus > 0,
+        # BatchNorm cannot train on a last batch of 1 image
+        drop_last=True,
+    )
+
+
 class Bf16Autocast(torch.nn.Sequential):
-    """--amp: DataParallel runs each replica in a thread of its own, where
-    autocast would be fp16; this wrapper makes it bf16 inside each replica."""
+    """--amp on GPUs: DataParallel runs each GPU's copy of the model in a thread
+    of its own, which train()'s autocast does not reach; this wrapper turns
+    bf16 autocast on inside each copy."""
 
     def forward(self, x):
         with torch.autocast(x.device.type, dtype=torch.bfloat16):
@@ -77,24 +79,25 @@ class Bf16Autocast(torch.nn.Sequential):
 
 def train(model, dataloader, optimizer, device, epoch, steps, args):
     """One epoch: its mean loss, and images/s."""
-    # shuffle=True draws each epoch's order from torch's generator: seeded by
-    # the epoch, a resumed run draws what an unbroken run drew
+    # Seeded by the epoch, a resumed run draws what an unbroken run drew: the
+    # order (shuffle=True), the workers' seeds, your model's dropout
     torch.manual_seed(epoch)
     # summed on the device: .item() at every step would wait for it
     loss_sum = torch.zeros((), device=device)
     began = last_print = time.monotonic()
     for step, (images, labels) in enumerate(islice(dataloader, steps), start=1):
         images = images.to(device, non_blocking=True)
+        labels = labels.to(device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
-        # --amp: bf16; Bf16Autocast does the replicas, this the loss
+        # --amp: bf16 for the loss here, and for the model (on a CPU) too
         with torch.autocast(device.type, torch.bfloat16, enabled=args.amp):
-            loss = torch.nn.functional.cross_entropy(model(images), labels.to(device))
+            loss = torch.nn.functional.cross_entropy(model(images), labels)
         loss.backward()
         optimizer.step()
         loss_sum += loss.detach().float()
         # a line every 10 steps, at the last, and at least every 30 s
         if step % 10 == 0 or step == steps or time.monotonic() - last_print > 30:
-            # .item() waits for the device: the time after it is true
+            # .item() waits for the GPU: the time taken after it is right
             value = loss.item()
             last_print = time.monotonic()
             rate = step * args.batch_size / (last_print - began)
@@ -115,8 +118,8 @@ def newest_epoch(args):
 
 def save_model(epoch, net, optimizer, args):
     """Atomic: written to a .tmp file, fsynced, then renamed to epoch_N.pt."""
-    # fixed: no file.touch() first, which a crash left as an empty checkpoint
     file = Path(args.ckpt_dir) / f"epoch_{epoch}.pt"
+    # fixed: the tutorial's file.touch() left an empty checkpoint if the save failed
     tmp = Path(f"{file}.tmp")
     ckpt = dict(
         epoch=epoch,
@@ -125,24 +128,25 @@ def save_model(epoch, net, optimizer, args):
         optimizer_state_dict=optimizer.state_dict(),
     )
     try:
-        # to a file object: a full disk is an OSError that says so
+        # through a file object: a full disk is "No space left on device"
         with open(tmp, "wb") as f:
             torch.save(ckpt, f)
-            # on the disk before the rename publishes it
+            # on the disk before the rename makes it epoch_N.pt
             os.fsync(f.fileno())
         os.replace(tmp, file)
     finally:
+        # after a failure or Ctrl-C, no half-written .tmp is left
         tmp.unlink(missing_ok=True)
     return str(file)
 
 
 def load_model(epoch, net, optimizer, device, args):
     file = Path(args.ckpt_dir) / f"epoch_{epoch}.pt"
-    # weights_only: loading runs no code from the file
+    # weights_only: the file cannot run code
     ckpt = torch.load(file, map_location=device, weights_only=True)
     net.load_state_dict(ckpt["model_state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_state_dict"])
-    # --lr, not the checkpoint's, also on --resume
+    # the flag's lr, also on --resume: the checkpoint holds the old run's
     for group in optimizer.param_groups:
         group["lr"] = args.lr
 
@@ -150,7 +154,7 @@ def load_model(epoch, net, optimizer, device, args):
 def run_training(gpus, train_set, num_classes, args):
     device = torch.device("cuda:0" if gpus else "cpu")
     dataloader = prepare_dataloader(train_set, gpus, args)
-    # net: the bare model, which the checkpoints hold
+    # net: the bare model, which the checkpoints hold; model: what trains
     net = build_model(args, num_classes).to(device)
     if args.channels_last:
         net = net.to(memory_format=torch.channels_last)
@@ -161,34 +165,50 @@ def run_training(gpus, train_set, num_classes, args):
         model = torch.nn.DataParallel(model)
     params = model.parameters()
     optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9, weight_decay=1e-4)
-    steps = min(len(dataloader), args.max_steps or len(dataloader))
+    steps = len(dataloader)
+    if args.max_steps:
+        steps = min(steps, args.max_steps)
+    # epoch 1, or with --resume the one after the newest checkpoint
     first_epoch = newest_epoch(args) + 1
-    last = Path(args.ckpt_dir) / f"epoch_{first_epoch - 1}.pt"
-    print(
+    line = (
         f"start | {Path(__file__).name} | gpus {gpus} | device {device}"
         f" | model {type(net).__name__} | data {args.data or 'synthetic'}"
         f" ({len(train_set)} images) | batch {args.batch_size} | lr {args.lr}"
         f" | steps {steps} | epochs {first_epoch}-{args.epochs}"
         f" | ckpt_dir {args.ckpt_dir}"
-        + (f" | resuming from {last.name}" if first_epoch > 1 else "")
     )
-    results = dict(script=Path(__file__).name, world_size=max(gpus, 1), steps=steps)
-    results.update(device=device.type, model=args.arch)
-    results["epochs_run"] = max(0, args.epochs + 1 - first_epoch)
+    if first_epoch > 1:
+        line += f" | resuming from epoch_{first_epoch - 1}.pt"
+    print(line)
+    results = {}
     # fixed: the tutorial's range(1, 30) ran 29 epochs
-    for epoch in range(first_epoch, args.epochs + 1):
+    epochs = range(first_epoch, args.epochs + 1)
+    for epoch in epochs:
+        # the tutorial's pattern: each epoch starts from the last one's checkpoint
         if epoch > 1:
             load_model(epoch - 1, net, optimizer, device, args)
         loss, rate = train(model, dataloader, optimizer, device, epoch, steps, args)
-        results.update(final_loss=loss, images_per_sec=rate)
-        results["checkpoint"] = save_model(epoch, net, optimizer, args)
+        checkpoint = save_model(epoch, net, optimizer, args)
         print(f"epoch {epoch}/{args.epochs} | loss {loss:.4f} | {rate:.0f} img/s")
+        results = dict(final_loss=loss, images_per_sec=rate, checkpoint=checkpoint)
+    results["epochs_run"] = len(epochs)
+    report(results, steps, gpus, device, args)
+
+
+def report(results, steps, gpus, device, args):
+    """The done line, and --metrics-out."""
     print(
         f"done | epochs_run {results['epochs_run']}"
         f" | final_loss {results.get('final_loss')}"
         f" | checkpoint {results.get('checkpoint')}"
     )
     if args.metrics_out:
+        results.update(
+            script=Path(__file__).name,
+            world_size=max(gpus, 1),
+            device=device.type,
+            steps=steps,
+        )
         Path(args.metrics_out).write_text(json.dumps(results, indent=1))
 
 
@@ -203,16 +223,17 @@ def parse_args():
     p.add_argument("--cpu", action="store_true", help="the CPU even with GPUs")
     p.add_argument("--metrics-out", help="write the results as JSON")
     p.add_argument("--epochs", type=positive, default=30)
-    p.add_argument("--batch-size", type=positive, default=64, help="all GPUs'")
+    p.add_argument("--batch-size", type=positive, default=64, help="split over GPUs")
     p.add_argument("--lr", type=float, default=0.01, help="SGD's")
     p.add_argument("--max-steps", type=positive, help="a shorter epoch")
     p.add_argument("--data", help="an ImageFolder; without it, random images")
     p.add_argument("--image-size", type=positive, default=224)
-    # torchvision's models that this loop trains (not googlenet, inception)
-    archs = models.list_models(models, exclude=["googlenet", "inception*"])
+    # torchvision's classification models, less two whose outputs are not a tensor
+    archs = models.list_models(module=models, exclude=["googlenet", "inception*"])
     p.add_argument("--arch", default="resnet50", choices=archs)
     gpus = torch.cuda.device_count()
-    p.add_argument("--workers", type=int, default=4 * gpus, help="4 a GPU")
+    # 4 loader workers a GPU, as in the tutorial
+    p.add_argument("--workers", type=int, default=4 * gpus)
     p.add_argument("--amp", action="store_true", help="bf16 autocast")
     p.add_argument("--channels-last", action="store_true")
     p.add_argument("--ckpt-dir", default="model_checkpoints")
@@ -222,18 +243,18 @@ def parse_args():
 
 if __name__ == "__main__":
     args = parse_args()
-    # fixed: the tutorial's prints reach a log file (nohup, SLURM) only at exit
+    # fixed: the tutorial's lines reach a log file (nohup, SLURM) only at exit
     sys.stdout.reconfigure(line_buffering=True)
     if args.data and not Path(args.data).is_dir():
         sys.exit(f"error: --data {args.data}: no such folder")
     newest = newest_epoch(args)
-    # another run's checkpoints: a later --resume would take them as ours
+    # another run's checkpoints, which a later --resume would take for ours
     if newest and not args.resume:
         last = Path(args.ckpt_dir) / f"epoch_{newest}.pt"
         sys.exit(
             f"error: {last} exists: add --resume to go on, or use another --ckpt-dir"
         )
-    # --ckpt-dir: one that cannot be written is refused now, not after an epoch
+    # a test write: a folder that cannot be written fails now, not after an epoch
     try:
         Path(args.ckpt_dir).mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=args.ckpt_dir).close()
@@ -245,12 +266,12 @@ if __name__ == "__main__":
     # drop_last would leave no step at all
     if len(train_set) < args.batch_size:
         sys.exit(f"error: {len(train_set)} images, too few for one batch")
-    # a stop (SIGTERM) raises KeyboardInterrupt, as Ctrl-C does
+    # a stop (SIGTERM) ends the run as Ctrl-C does: a save removes its .tmp
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         # CUDA_VISIBLE_DEVICES chooses the GPUs
         gpus = 0 if args.cpu else torch.cuda.device_count()
         run_training(gpus, train_set, num_classes, args)
     except KeyboardInterrupt:
-        # Ctrl-C: quiet, and a save under way has removed its .tmp file
+        # Ctrl-C or a stop: quiet, with the shell's code for Ctrl-C
         sys.exit(130)

@@ -105,7 +105,7 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
     (
         "ddp: drop_last=False",
         "ddp_resnet.py",
-        [("drop_last=train,", "drop_last=False,")],
+        [("drop_last=True,", "drop_last=False,")],
         "tests/test_faults.py::test_dataset_not_divisible_by_world_size",
     ),
     (
@@ -200,8 +200,8 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         "ddp_resnet.py",
         [
             (
-                "    # [correct, seen]\n    counts = torch.zeros",
-                "    if not len(share):\n        return {}\n    counts = torch.zeros",
+                "    counts = torch.zeros(2, dtype=torch.int64",
+                "    if not len(share):\n        return {}\n    counts = torch.zeros(2, dtype=torch.int64",
             )
         ],
         "tests/test_validation.py::test_a_rank_with_no_validation_image_still_joins_the_count",
@@ -217,7 +217,7 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         "ddp_resnet.py",
         [
             (
-                "prepare_dataloader(share, device, args, train=False)",
+                "DataLoader(share, args.batch_size)",
                 "DataLoader(val_set, args.batch_size, sampler=DistributedSampler(val_set))",
             )
         ],

