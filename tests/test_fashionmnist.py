@@ -34,16 +34,19 @@ def debian_root(root):
 
 def test_each_test_image_once_and_the_loss_per_image(tmp_path):
     """A user's copy, spawned: 10,000 test images on 2 ranks, each scored once (a
-    DistributedSampler pads the shares); it reports its own name, and no warning. (3 ranks
-    under torchrun: test_fixes.py.) At --lr 0 the model never changes, so the epoch's mean loss
-    is the same for any batch size. Before, it was the mean of the batches' means: a short last
-    batch of 1 image (batch 29999 of a rank's 30000) weighed as much as the full one, and the
-    loss moved by 20%."""
+    DistributedSampler pads the shares); it reports its own name, and no warning. (3 ranks:
+    test_multinode.py.) At --lr 0 the model never changes, so the epoch's mean loss is the same
+    for any batch size: on 1 rank in batches of 29999, 29999 and 2 images, as on 2 ranks in
+    batches of 100. Before, it was the mean of the batches' means: the batch of 2 weighed as
+    much as a full one."""
     copy = shutil.copy(ROOT / "ddp_fashionmnist.py", tmp_path / "my_fashionmnist.py")
     outs = {size: tmp_path / f"{size}.json" for size in (100, 29999)}
+    flags = [*SMOKE, "--lr", 0]
     procs = [  # at once; 100 is the default batch size
-        start(python(copy, *SMOKE, "--lr", 0, "--batch-size", size, "--metrics-out", out))
-        for size, out in outs.items()
+        start(python(copy, *flags, "--metrics-out", outs[100])),
+        start(
+            python(copy, *flags, "--batch-size", 29999, "--nprocs", 1, "--metrics-out", outs[29999])
+        ),
     ]
     res = finish_all(procs, timeout=180)[0]
     m = metrics(outs[100])

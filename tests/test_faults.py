@@ -270,9 +270,9 @@ def test_a_stop_mid_epoch_then_ctrl_c_during_a_save_then_resume(how, tmp_path):
     """A stop (SIGTERM) of the launcher alone, as `kill PID` sends it to a run a script started
     with `&`: every rank stops as on Ctrl-C, and the launcher after them. Then Ctrl-C, sent to the
     whole process group as a terminal does, while a checkpoint is being written.
-    Spawned, each stop comes twice (stop_twice): the launcher passes the first SIGTERM on to each
+    Spawned, the stop comes twice (stop_twice): the launcher passes the first SIGTERM on to each
     rank and ignores the second: no traceback, no second signal to cut a rank's clean-up short,
-    and exit 130 once the ranks have ended; during an epoch, and (a third run) during a save.
+    and exit 130 once the ranks have ended.
     Before, the second raised in the launcher's exit handler ("Exception ignored in atexit
     callback" and a traceback) and reached each rank again."""
     folder = tmp_path / "ckpt"
@@ -301,14 +301,6 @@ def test_a_stop_mid_epoch_then_ctrl_c_during_a_save_then_resume(how, tmp_path):
     done = saved(folder)  # the save under way is either whole or gone; the newest one loads
     assert done in ([1], [1, 2])  # (--resume from it: test_resnet.py, and after a full disk)
     torch.load(folder / f"epoch_{done[-1]}.pt", weights_only=True)
-    if how == "spawn":  # two stops while a checkpoint is being written
-        proc = start(command(how, *flags, "--resume"))
-        during_a_save(proc, folder)
-        stop_twice(proc)
-        res = finish(proc, timeout=30, check=False)
-        interrupted(res, how)
-        assert "Exception ignored" not in res.stderr, res.stderr[-3000:]
-        assert saved(folder) in (done, [*done, done[-1] + 1])  # whole or gone, no .tmp
 
 
 @pytest.fixture
