@@ -254,18 +254,21 @@ def test_bad_input_fails_before_training_and_names_the_cause(script, tmp_path, r
 def test_dataparallel_lines_reach_a_log_file_as_they_are_printed(tmp_path):
     """Under nohup, SLURM or CI, stdout is a file and Python holds its lines back: once,
     dp_resnet.py's log stayed empty until exit, and a SIGKILL lost it all. Its lines are
-    flushed one by one now, as the DDP scripts' print0 does."""
-    log = tmp_path / "log"
+    flushed one by one now, as the DDP scripts' print0 does: once epoch_1.pt exists, the start
+    line and epoch 1's lines are in the file, SIGKILL or not."""
+    log, ckpt = tmp_path / "log", tmp_path / "ck"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"}
-    cmd = python("dp_resnet.py", *DP, "--epochs", 100, "--ckpt-dir", tmp_path / "ck")
+    cmd = python("dp_resnet.py", *DP, "--epochs", 100, "--ckpt-dir", ckpt)
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
     try:
         deadline = time.monotonic() + TIMEOUT
-        while "epoch 1/100 | loss" not in log.read_text():
+        while not (ckpt / "epoch_1.pt").exists():
             assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
-            time.sleep(0.2)
+            time.sleep(0.05)
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
-    assert log.read_text().startswith("start | dp_resnet.py | gpus 0 | device cpu")
+    lines = log.read_text().splitlines()
+    assert lines[0].startswith("start | dp_resnet.py | gpus 0 | device cpu"), lines
+    assert lines[1].startswith("epoch 1/100 | step 2/2 | loss "), lines
