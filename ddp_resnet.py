@@ -102,6 +102,9 @@ def build_model(args, num_classes):
 
 
 def prepare_dataloader(dataset, device, args):
+    # the forkserver imports torch once and each worker starts from it;
+    # otherwise each worker of each epoch imports torch again (seconds)
+    mp.set_forkserver_preload(["torch", "torchvision"])
     return DataLoader(
         dataset,
         args.batch_size,

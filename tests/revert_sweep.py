@@ -161,6 +161,12 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         "tests/test_resnet.py::test_ddp_run_prints_saves_and_reports tests/test_resnet.py::test_lr_on_resume_is_the_flags",
     ),
     (
+        "ddp: workers import torch each epoch",
+        "ddp_resnet.py",
+        [('    mp.set_forkserver_preload(["torch", "torchvision"])\n', "")],
+        "tests/test_resnet.py::test_loader_workers_do_not_import_torch_again",
+    ),
+    (
         "ddp: weights_only=False",
         "ddp_resnet.py",
         [("map_location=device, weights_only=True", "map_location=device, weights_only=False")],
