@@ -76,14 +76,21 @@ def main():
     if cuda:
         net = torch.nn.Conv2d(3, 8, 3).to(device)
         x = torch.randn(2, 3, 16, 16, device=device)
+        copies = [net, dp_resnet.Bf16Autocast(net)]
+        found = []
+        # each in an autocast of its own: autocast keeps a cast of the weights until it ends
         with torch.autocast(device.type, torch.bfloat16):
-            outer = net(x).dtype
-            plain = parallel_apply([net, net], [(x,), (x,)], devices=[device, device])
-            wrapped = dp_resnet.Bf16Autocast(net)
-            inside = parallel_apply([wrapped, wrapped], [(x,), (x,)], devices=[device, device])
+            found.append(net(x).dtype)
+        for copy in copies:
+            with torch.autocast(device.type, torch.bfloat16):
+                try:
+                    out = parallel_apply([copy, copy], [(x,), (x,)], devices=[device] * 2)
+                    found.append(out[0].dtype)
+                except RuntimeError as e:
+                    found.append(f"{type(e).__name__}: {str(e).splitlines()[-1]}")
         print(
-            f"DataParallel bf16: train()'s autocast gives {outer} in its own thread; a copy in"
-            f" DataParallel's thread gives {plain[0].dtype}, inside Bf16Autocast {inside[0].dtype}"
+            f"DataParallel bf16: train()'s autocast gives {found[0]} in its own thread; a copy"
+            f" in DataParallel's thread gives {found[1]}; inside Bf16Autocast {found[2]}"
         )
 
     # pin_memory and non_blocking
