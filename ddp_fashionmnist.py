@@ -54,7 +54,7 @@ def ddp_setup(local_rank, args):
         # NCCL sets up on this rank's GPU now, not at the first collective
         device_id=device if cuda else None,
     )
-    # a stop (SIGTERM) ends this rank as Ctrl-C does: a save removes its .tmp
+    # SIGTERM raises KeyboardInterrupt here, as Ctrl-C does: `finally` blocks run
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     return device
 
@@ -201,14 +201,12 @@ def main(local_rank, args):
     dist.destroy_process_group()
 
 
-# --- launching: the same in ddp_gather.py, ddp_fashionmnist.py, ddp_resnet.py ---
-# A copy of this section needs every line that is not marked optional.
+# --- launching (to copy: every line but those marked optional) ---
 def launch(main, args):
     """Run main(local_rank, args) once in each rank."""
     try:
         if os.environ.get("RANK"):
-            # torchrun started this process as one rank (a pod that sets RANK
-            # alone: local rank 0)
+            # torchrun (or a pod that sets RANK) started this process as one rank
             local_rank = int(os.environ.get("LOCAL_RANK") or 0)
             # optional: record() adds this rank's error to torchrun's report
             return record(main)(local_rank, args)
@@ -221,10 +219,11 @@ def launch(main, args):
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # `kill` of this launcher stops every rank (terminate_ranks, below)
+        # SIGTERM to this launcher: terminate_ranks, below
         signal.signal(signal.SIGTERM, terminate_ranks)
         ranks = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-        # optional: when a rank fails, the others get 5 s to end by themselves
+        # optional: join() is False while ranks run; when one fails, the
+        # others get 5 s to end by themselves
         while not ranks.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
@@ -238,7 +237,8 @@ def launch(main, args):
 
 
 def terminate_ranks(*_):
-    """SIGTERM to this launcher: each rank stops as on Ctrl-C."""
+    """Each rank gets a SIGTERM (a Ctrl-C there: see ddp_setup), then this
+    launcher ends as on Ctrl-C."""
     # ignore a second SIGTERM, which would cut the ranks' clean-up short
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for process in mp.active_children():

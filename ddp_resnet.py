@@ -56,7 +56,7 @@ def ddp_setup(local_rank, args):
         # NCCL sets up on this rank's GPU now, not at the first collective
         device_id=device if cuda else None,
     )
-    # a stop (SIGTERM) ends this rank as Ctrl-C does: a save removes its .tmp
+    # SIGTERM raises KeyboardInterrupt here, as Ctrl-C does: `finally` blocks run
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     return device
 
@@ -72,18 +72,18 @@ def load_datasets(args):
     # the tutorial's Resize(256) and CenterCrop(224), in proportion at any size
     preprocess = T.Compose(
         [
-            T.Resize(size * 8 // 7),
+            T.Resize(size * 256 // 224),
             T.CenterCrop(size),
             T.ToTensor(),
             T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
         ]
     )
     if args.data:
-        # fixed: the tutorial's ImageFolder(root=, ...) does not parse
+        # fixed: the tutorial's `ImageFolder(root=, ...)` is a SyntaxError
         train = datasets.ImageFolder(args.data, transform=preprocess)
         classes = train.classes
     else:
-        # 256 random images, each its own class, 50 times over: no files to read
+        # no files: 256 random images x 50, one class each, so the loss can fall
         images = TensorDataset(torch.randn(256, 3, size, size), torch.arange(256))
         train = ConcatDataset([images] * 50)
         classes = list(range(256))
@@ -102,19 +102,17 @@ def build_model(args, num_classes):
 
 
 def prepare_dataloader(dataset, device, args):
-    # the forkserver imports torch once and each worker starts from it;
-    # otherwise each worker of each epoch imports torch again (seconds)
+    # the loader's workers start from a forkserver, not from a fork of this
+    # rank (its gloo or NCCL threads could leave a lock held); it imports
+    # torch once, not each worker of each epoch again
     mp.set_forkserver_preload(["torch", "torchvision"])
     return DataLoader(
         dataset,
         args.batch_size,
         # each rank its own shuffled share of the training set
         sampler=DistributedSampler(dataset, seed=args.seed),
-        # fixed: per rank; the tutorial's 4 workers a GPU in every rank
-        # multiply with the GPUs
+        # fixed: per rank; the tutorial's 4 * GPUs in every rank is 4 * GPUs² in all
         num_workers=args.workers,
-        # the workers start from a fresh process, not from a fork of this rank,
-        # whose gloo or NCCL threads could leave a lock held
         multiprocessing_context="forkserver" if args.workers else None,
         pin_memory=device.type == "cuda",
         # BatchNorm cannot train on a last batch of 1 image
@@ -126,8 +124,8 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
     """One epoch: its mean loss over every rank's steps, and images/s."""
     # fixed: without set_epoch every epoch has the same order
     dataloader.sampler.set_epoch(epoch)
-    # each rank and epoch its own random numbers (augmentation, dropout), the
-    # same ones again in a resumed run
+    # random numbers of this rank and epoch (workers' seeds, dropout), the same
+    # in a resumed run: hash() of ints is the same in every process
     torch.manual_seed(hash((args.seed, epoch, dist.get_rank())))
     global_batch = args.batch_size * dist.get_world_size()
     # summed on the device: .item() at every step would wait for it
@@ -147,7 +145,7 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
         loss_sum += loss.detach().float()
         # a line every 10 steps, at the last, and at least every 30 s
         if step % 10 == 0 or step == steps or time.monotonic() - last_print > 30:
-            # .item() waits for the GPU: the time taken after it is right
+            # .item() waits for the GPU, so the clock is read after it
             value = loss.item()
             last_print = time.monotonic()
             rate = step * global_batch / (last_print - began)
@@ -164,7 +162,7 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
 @torch.no_grad()
 def evaluate(model, val_set, device, args):
     """Top-1 accuracy over the validation set, each image counted once."""
-    # BatchNorm's running statistics differ by rank: score with rank 0's
+    # BatchNorm's statistics differ by rank after the last step: use rank 0's
     for buffer in model.module.buffers():
         dist.broadcast(buffer, src=0)
     # every world_size-th image, from this rank's number on: a DistributedSampler
@@ -174,14 +172,14 @@ def evaluate(model, val_set, device, args):
     counts = torch.zeros(2, dtype=torch.int64, device=device)
     model.eval()
     for images, labels in DataLoader(share, args.batch_size):
-        # the bare model: DDP's forward may start a collective, which a rank
-        # with a batch fewer would not join
+        # the bare model: DDP's forward broadcasts the buffers, a collective
+        # that a rank with a batch fewer would never join
         with torch.autocast(device.type, torch.bfloat16, enabled=args.amp):
             logits = model.module(images.to(device))
         counts[0] += (logits.argmax(1) == labels.to(device)).sum()
         counts[1] += len(labels)
     model.train()
-    # every rank's counts, an empty share's zeros too
+    # every rank joins, one with an empty share with zeros
     dist.all_reduce(counts)
     correct, seen = counts.tolist()
     return dict(val_accuracy=correct / seen, val_correct=correct, val_samples=seen)
@@ -206,7 +204,7 @@ def save_model(epoch, model, optimizer, args):
         optimizer_state_dict=optimizer.state_dict(),
     )
     try:
-        # through a file object: a full disk is "No space left on device"
+        # into a file object: a full disk then says "No space left on device"
         with open(tmp, "wb") as f:
             torch.save(ckpt, f)
             # on the disk before the rename makes it epoch_N.pt
@@ -229,20 +227,21 @@ def load_model(epoch, model, optimizer, device, args):
     ckpt = torch.load(file, map_location=device, weights_only=True)
     model.module.load_state_dict(ckpt["model_state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_state_dict"])
-    # the flag's lr, also on --resume: the checkpoint holds the old run's
+    # the checkpoint restored its run's lr: --lr wins (on --resume too)
     for group in optimizer.param_groups:
         group["lr"] = args.lr
 
 
 def run_training_process_on_given_gpu(local_rank, args):
     device = ddp_setup(local_rank, args)
-    # --seed: the same synthetic images in every rank, the same weights every run
+    # --seed: the same synthetic images in every rank, for the sampler to split
     torch.manual_seed(args.seed)
     train_set, val_set, num_classes = load_datasets(args)
     loader = prepare_dataloader(train_set, device, args)
     net = build_model(args, num_classes).to(device)
     if args.channels_last:
         net = net.to(memory_format=torch.channels_last)
+    # the tutorial's device_ids=[rank]: left out, DDP takes the model's device
     model = DDP(net)
     params = model.parameters()
     optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9, weight_decay=1e-4)
@@ -267,7 +266,7 @@ def run_training_process_on_given_gpu(local_rank, args):
         loss, rate = train(model, loader, optimizer, device, epoch, steps, args)
         results.update(final_loss=loss, images_per_sec=rate)
         line = f"epoch {epoch}/{args.epochs} | loss {loss:.4f} | {rate:.0f} img/s"
-        # fixed: the global rank 0 saves, one writer in all, not one a node
+        # fixed: global rank 0 saves; the tutorial's local rank 0 saved once a node
         if dist.get_rank() == 0:
             results["checkpoint"] = save_model(epoch, model, optimizer, args)
         if val_set is not None:
@@ -277,19 +276,18 @@ def run_training_process_on_given_gpu(local_rank, args):
         print0(line)
     results["epochs_run"] = len(epochs)
     report(results, steps, device, args)
-    # torch 2.11 on gloo once hung at exit unless DDP's model went first
+    # DDP's model goes before its group: torch 2.11 on gloo once hung otherwise
     del model
     dist.destroy_process_group()
 
 
 def decide_first_epoch(device, args):
     """Epoch 1, or with --resume the one after the newest checkpoint. Rank 0
-    looks in --ckpt-dir and tells every rank: all start at the same epoch,
-    also where a node's folder holds other files."""
+    looks in --ckpt-dir and tells every rank, as nodes may see other folders."""
     newest = torch.tensor(newest_epoch(args), device=device)
     dist.broadcast(newest, src=0)
     newest = newest.item()
-    # another run's checkpoints, which a later --resume would take for ours
+    # a fresh run into a used folder: refused, or --resume would mix two runs
     if newest and not args.resume:
         last = Path(args.ckpt_dir) / f"epoch_{newest}.pt"
         exit_all_ranks(
@@ -333,19 +331,17 @@ def report(results, steps, device, args):
 
 
 def exit_all_ranks(message):
-    """Every rank stops here; rank 0 says why."""
+    """Where every rank decides alike: each exits 1, and rank 0 says why."""
     print0(f"error: {message}", file=sys.stderr)
     sys.exit(1)
 
 
-# --- launching: the same in ddp_gather.py, ddp_fashionmnist.py, ddp_resnet.py ---
-# A copy of this section needs every line that is not marked optional.
+# --- launching (to copy: every line but those marked optional) ---
 def launch(main, args):
     """Run main(local_rank, args) once in each rank."""
     try:
         if os.environ.get("RANK"):
-            # torchrun started this process as one rank (a pod that sets RANK
-            # alone: local rank 0)
+            # torchrun (or a pod that sets RANK) started this process as one rank
             local_rank = int(os.environ.get("LOCAL_RANK") or 0)
             # optional: record() adds this rank's error to torchrun's report
             return record(main)(local_rank, args)
@@ -358,10 +354,11 @@ def launch(main, args):
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # `kill` of this launcher stops every rank (terminate_ranks, below)
+        # SIGTERM to this launcher: terminate_ranks, below
         signal.signal(signal.SIGTERM, terminate_ranks)
         ranks = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-        # optional: when a rank fails, the others get 5 s to end by themselves
+        # optional: join() is False while ranks run; when one fails, the
+        # others get 5 s to end by themselves
         while not ranks.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
@@ -375,7 +372,8 @@ def launch(main, args):
 
 
 def terminate_ranks(*_):
-    """SIGTERM to this launcher: each rank stops as on Ctrl-C."""
+    """Each rank gets a SIGTERM (a Ctrl-C there: see ddp_setup), then this
+    launcher ends as on Ctrl-C."""
     # ignore a second SIGTERM, which would cut the ranks' clean-up short
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for process in mp.active_children():

@@ -31,19 +31,19 @@ def load_datasets(args):
     """The training set and its number of classes."""
     size = args.image_size
     if not args.data:
-        # 256 random images, each its own class, 50 times over: no files to read
+        # no files: 256 random images x 50, one class each, so the loss can fall
         images = TensorDataset(torch.randn(256, 3, size, size), torch.arange(256))
         return ConcatDataset([images] * 50), 256
     # the tutorial's Resize(256) and CenterCrop(224), in proportion at any size
     preprocess = T.Compose(
         [
-            T.Resize(size * 8 // 7),
+            T.Resize(size * 256 // 224),
             T.CenterCrop(size),
             T.ToTensor(),
             T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225]),
         ]
     )
-    # fixed: the tutorial's ImageFolder(root=, ...) does not parse
+    # fixed: the tutorial's `ImageFolder(root=, ...)` is a SyntaxError
     train = datasets.ImageFolder(args.data, transform=preprocess)
     return train, len(train.classes)
 
