@@ -3,8 +3,7 @@
     python ddp_gather.py          # one process per GPU, or 2 on a CPU
     torchrun --standalone --nproc-per-node=3 ddp_gather.py --cpu
 
-Rank 0 prints the gathered objects and tensors, then
-`done | gathered 2 objects | backend gloo`.
+Rank 0 prints the gathered objects, the tensors and `done | gathered N objects`.
 """
 
 import argparse
@@ -29,7 +28,8 @@ def ddp_setup(local_rank, args):
     if cuda:
         # before the first collective, or every rank would use cuda:0
         torch.cuda.set_device(device)
-    # mp.spawn numbers the ranks from 0; torchrun sets RANK and WORLD_SIZE
+    # torchrun sets RANK and WORLD_SIZE; under mp.spawn, on one machine, the
+    # spawn index (local_rank) is the rank and --nprocs the world size
     rank = int(os.environ.get("RANK") or local_rank)
     world_size = int(os.environ.get("WORLD_SIZE") or args.nprocs)
     dist.init_process_group(
@@ -39,10 +39,11 @@ def ddp_setup(local_rank, args):
         world_size=world_size,
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL sets up on this rank's GPU now, not at the first collective
+        # NCCL sets up on this GPU now, and barrier() takes it as its device
         device_id=device if cuda else None,
     )
-    # SIGTERM raises KeyboardInterrupt here, as Ctrl-C does: `finally` blocks run
+    # SIGTERM (a scheduler's, or terminate_ranks') ends this rank as Ctrl-C
+    # does, with a KeyboardInterrupt: `finally` blocks clean up
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     return device
 
@@ -53,7 +54,7 @@ def main(local_rank, args):
     world_size = dist.get_world_size()
     tensor = torch.ones(3, device=device) + rank
     data = {
-        # a CPU copy: a CUDA tensor would arrive on the sender's GPU
+        # a CPU copy: a CUDA tensor would unpickle in rank 0 onto the sender's GPU
         "tensor": tensor.cpu(),
         # fixed: the tutorial's [1, 2, 3] + rank is a TypeError
         "list": [x + rank for x in [1, 2, 3]],
@@ -79,14 +80,14 @@ def main(local_rank, args):
     dist.destroy_process_group()
 
 
-# --- launching (to copy: every line but those marked optional) ---
+# --- launching (copy it whole; a part marked optional may go) ---
 def launch(main, args):
     """Run main(local_rank, args) once in each rank."""
     try:
         if os.environ.get("RANK"):
             # torchrun (or a pod that sets RANK) started this process as one rank
             local_rank = int(os.environ.get("LOCAL_RANK") or 0)
-            # optional: record() adds this rank's error to torchrun's report
+            # record(main), optional: torchrun's report then shows this rank's error
             return record(main)(local_rank, args)
         # optional, fixed: each rank gets its share of the cores, not all of them
         if not os.environ.get("OMP_NUM_THREADS"):
@@ -99,25 +100,24 @@ def launch(main, args):
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         # SIGTERM to this launcher: terminate_ranks, below
         signal.signal(signal.SIGTERM, terminate_ranks)
+        # join=False and a loop of join(grace_period=5), not spawn's own join:
+        # when one rank fails, the others get 5 s to end by themselves
         ranks = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-        # optional: join() is False while ranks run; when one fails, the
-        # others get 5 s to end by themselves
         while not ranks.join(grace_period=5):
-            pass
+            pass  # join() is False while ranks still run
     except mp.ProcessExitedException as e:
-        # optional: a rank that exited 1 has printed why, so no traceback here
+        # optional: a rank's exit code (1: it has printed why), with no traceback
         if e.exit_code < 0:
             raise  # killed by a signal: torch's message names it
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        # optional: Ctrl-C (or a stop) ends quietly, with the shell's code for it
+        # optional: Ctrl-C or SIGTERM ends quietly, 130 as a shell gives for Ctrl-C
         sys.exit(130)
 
 
 def terminate_ranks(*_):
-    """Each rank gets a SIGTERM (a Ctrl-C there: see ddp_setup), then this
-    launcher ends as on Ctrl-C."""
-    # ignore a second SIGTERM, which would cut the ranks' clean-up short
+    """SIGTERM to this launcher: to each rank too, then as on Ctrl-C."""
+    # ignore a second SIGTERM here while the ranks clean up
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for process in mp.active_children():
         process.terminate()

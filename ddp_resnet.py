@@ -43,7 +43,8 @@ def ddp_setup(local_rank, args):
     if cuda:
         # before the first collective, or every rank would use cuda:0
         torch.cuda.set_device(device)
-    # mp.spawn numbers the ranks from 0; torchrun sets RANK and WORLD_SIZE
+    # torchrun sets RANK and WORLD_SIZE; under mp.spawn, on one machine, the
+    # spawn index (local_rank) is the rank and --nprocs the world size
     rank = int(os.environ.get("RANK") or local_rank)
     world_size = int(os.environ.get("WORLD_SIZE") or args.nprocs)
     dist.init_process_group(
@@ -53,10 +54,11 @@ def ddp_setup(local_rank, args):
         world_size=world_size,
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL sets up on this rank's GPU now, not at the first collective
+        # NCCL sets up on this GPU now, and barrier() takes it as its device
         device_id=device if cuda else None,
     )
-    # SIGTERM raises KeyboardInterrupt here, as Ctrl-C does: `finally` blocks run
+    # SIGTERM (a scheduler's, or terminate_ranks') ends this rank as Ctrl-C
+    # does, with a KeyboardInterrupt: `finally` blocks clean up
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     return device
 
@@ -179,7 +181,7 @@ def evaluate(model, val_set, device, args):
         counts[0] += (logits.argmax(1) == labels.to(device)).sum()
         counts[1] += len(labels)
     model.train()
-    # every rank joins, one with an empty share with zeros
+    # every rank joins; one with no images adds 0 and 0
     dist.all_reduce(counts)
     correct, seen = counts.tolist()
     return dict(val_accuracy=correct / seen, val_correct=correct, val_samples=seen)
@@ -204,7 +206,6 @@ def save_model(epoch, model, optimizer, args):
         optimizer_state_dict=optimizer.state_dict(),
     )
     try:
-        # into a file object: a full disk then says "No space left on device"
         with open(tmp, "wb") as f:
             torch.save(ckpt, f)
             # on the disk before the rename makes it epoch_N.pt
@@ -227,7 +228,7 @@ def load_model(epoch, model, optimizer, device, args):
     ckpt = torch.load(file, map_location=device, weights_only=True)
     model.module.load_state_dict(ckpt["model_state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_state_dict"])
-    # the checkpoint restored its run's lr: --lr wins (on --resume too)
+    # --resume with another --lr: the flag's lr, not the checkpoint's
     for group in optimizer.param_groups:
         group["lr"] = args.lr
 
@@ -259,8 +260,8 @@ def run_training_process_on_given_gpu(local_rank, args):
     # fixed: the tutorial's range(1, 30) ran 29 epochs
     epochs = range(first_epoch, args.epochs + 1)
     for epoch in epochs:
-        # The tutorial's pattern: each epoch starts from the checkpoint that
-        # rank 0 saved; with --resume, the run goes on from there.
+        # the tutorial's lesson: each epoch starts from rank 0's last checkpoint
+        # in every rank (with --resume, the first epoch too)
         if epoch > 1:
             load_model(epoch - 1, model, optimizer, device, args)
         loss, rate = train(model, loader, optimizer, device, epoch, steps, args)
@@ -336,14 +337,14 @@ def exit_all_ranks(message):
     sys.exit(1)
 
 
-# --- launching (to copy: every line but those marked optional) ---
+# --- launching (copy it whole; a part marked optional may go) ---
 def launch(main, args):
     """Run main(local_rank, args) once in each rank."""
     try:
         if os.environ.get("RANK"):
             # torchrun (or a pod that sets RANK) started this process as one rank
             local_rank = int(os.environ.get("LOCAL_RANK") or 0)
-            # optional: record() adds this rank's error to torchrun's report
+            # record(main), optional: torchrun's report then shows this rank's error
             return record(main)(local_rank, args)
         # optional, fixed: each rank gets its share of the cores, not all of them
         if not os.environ.get("OMP_NUM_THREADS"):
@@ -356,25 +357,24 @@ def launch(main, args):
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         # SIGTERM to this launcher: terminate_ranks, below
         signal.signal(signal.SIGTERM, terminate_ranks)
+        # join=False and a loop of join(grace_period=5), not spawn's own join:
+        # when one rank fails, the others get 5 s to end by themselves
         ranks = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-        # optional: join() is False while ranks run; when one fails, the
-        # others get 5 s to end by themselves
         while not ranks.join(grace_period=5):
-            pass
+            pass  # join() is False while ranks still run
     except mp.ProcessExitedException as e:
-        # optional: a rank that exited 1 has printed why, so no traceback here
+        # optional: a rank's exit code (1: it has printed why), with no traceback
         if e.exit_code < 0:
             raise  # killed by a signal: torch's message names it
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        # optional: Ctrl-C (or a stop) ends quietly, with the shell's code for it
+        # optional: Ctrl-C or SIGTERM ends quietly, 130 as a shell gives for Ctrl-C
         sys.exit(130)
 
 
 def terminate_ranks(*_):
-    """Each rank gets a SIGTERM (a Ctrl-C there: see ddp_setup), then this
-    launcher ends as on Ctrl-C."""
-    # ignore a second SIGTERM, which would cut the ranks' clean-up short
+    """SIGTERM to this launcher: to each rank too, then as on Ctrl-C."""
+    # ignore a second SIGTERM here while the ranks clean up
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for process in mp.active_children():
         process.terminate()
@@ -418,7 +418,7 @@ if __name__ == "__main__":
     args = parse_args()
     if args.data and not Path(args.data).is_dir():
         sys.exit(f"error: --data {args.data}: no such folder")
-    # a test write: a folder that cannot be written fails now, not after an epoch
+    # --ckpt-dir made and tried: one that cannot be written fails now, not later
     try:
         Path(args.ckpt_dir).mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=args.ckpt_dir).close()

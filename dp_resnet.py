@@ -68,9 +68,9 @@ def prepare_dataloader(dataset, gpus, args):
 
 
 class Bf16Autocast(torch.nn.Sequential):
-    """--amp on GPUs: DataParallel runs each GPU's copy of the model in a thread
-    of its own, which train()'s autocast does not reach; this wrapper turns
-    bf16 autocast on inside each copy."""
+    """--amp: DataParallel runs each GPU's copy of the model in a thread of its
+    own, whose autocast is fp16 whatever train()'s is; wrapped in this
+    Sequential of one module, each copy runs in bf16."""
 
     def forward(self, x):
         with torch.autocast(x.device.type, dtype=torch.bfloat16):
@@ -79,8 +79,8 @@ class Bf16Autocast(torch.nn.Sequential):
 
 def train(model, dataloader, optimizer, device, epoch, steps, args):
     """One epoch: its mean loss, and images/s."""
-    # Seeded by the epoch, a resumed run draws what an unbroken run drew: the
-    # order (shuffle=True), the workers' seeds, your model's dropout
+    # seeded by the epoch, a resumed run shuffles as an unbroken run did (and
+    # seeds the workers and your model's dropout alike)
     torch.manual_seed(epoch)
     # summed on the device: .item() at every step would wait for it
     loss_sum = torch.zeros((), device=device)
@@ -89,7 +89,7 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
         optimizer.zero_grad(set_to_none=True)
-        # --amp: bf16 for the loss here, and for the model (on a CPU) too
+        # --amp: autocast computes the loss in fp32 from the bf16 logits
         with torch.autocast(device.type, torch.bfloat16, enabled=args.amp):
             loss = torch.nn.functional.cross_entropy(model(images), labels)
         loss.backward()
@@ -97,7 +97,7 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
         loss_sum += loss.detach().float()
         # a line every 10 steps, at the last, and at least every 30 s
         if step % 10 == 0 or step == steps or time.monotonic() - last_print > 30:
-            # .item() waits for the GPU: the time taken after it is right
+            # .item() waits for the GPU, so the clock is read after it
             value = loss.item()
             last_print = time.monotonic()
             rate = step * args.batch_size / (last_print - began)
@@ -128,7 +128,6 @@ def save_model(epoch, net, optimizer, args):
         optimizer_state_dict=optimizer.state_dict(),
     )
     try:
-        # through a file object: a full disk is "No space left on device"
         with open(tmp, "wb") as f:
             torch.save(ckpt, f)
             # on the disk before the rename makes it epoch_N.pt
@@ -146,7 +145,7 @@ def load_model(epoch, net, optimizer, device, args):
     ckpt = torch.load(file, map_location=device, weights_only=True)
     net.load_state_dict(ckpt["model_state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_state_dict"])
-    # the flag's lr, also on --resume: the checkpoint holds the old run's
+    # --resume with another --lr: the flag's lr, not the checkpoint's
     for group in optimizer.param_groups:
         group["lr"] = args.lr
 
@@ -168,7 +167,8 @@ def run_training(gpus, train_set, num_classes, args):
     steps = len(dataloader)
     if args.max_steps:
         steps = min(steps, args.max_steps)
-    # epoch 1, or with --resume the one after the newest checkpoint
+    # epoch 1, or with --resume the one after the newest checkpoint (a used
+    # folder without --resume was refused)
     first_epoch = newest_epoch(args) + 1
     line = (
         f"start | {Path(__file__).name} | gpus {gpus} | device {device}"
@@ -243,18 +243,18 @@ def parse_args():
 
 if __name__ == "__main__":
     args = parse_args()
-    # fixed: the tutorial's lines reach a log file (nohup, SLURM) only at exit
+    # fixed: each line reaches a log file (nohup, SLURM) as printed, not in blocks
     sys.stdout.reconfigure(line_buffering=True)
     if args.data and not Path(args.data).is_dir():
         sys.exit(f"error: --data {args.data}: no such folder")
     newest = newest_epoch(args)
-    # another run's checkpoints, which a later --resume would take for ours
+    # a fresh run into a used folder: refused, or --resume would mix two runs
     if newest and not args.resume:
         last = Path(args.ckpt_dir) / f"epoch_{newest}.pt"
         sys.exit(
             f"error: {last} exists: add --resume to go on, or use another --ckpt-dir"
         )
-    # a test write: a folder that cannot be written fails now, not after an epoch
+    # --ckpt-dir made and tried: one that cannot be written fails now, not later
     try:
         Path(args.ckpt_dir).mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=args.ckpt_dir).close()
@@ -266,7 +266,7 @@ if __name__ == "__main__":
     # drop_last would leave no step at all
     if len(train_set) < args.batch_size:
         sys.exit(f"error: {len(train_set)} images, too few for one batch")
-    # a stop (SIGTERM) ends the run as Ctrl-C does: a save removes its .tmp
+    # SIGTERM raises KeyboardInterrupt, as Ctrl-C does: a save removes its .tmp
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         # CUDA_VISIBLE_DEVICES chooses the GPUs
