@@ -39,7 +39,7 @@ def ddp_setup(local_rank, args):
         world_size=world_size,
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL sets up on this GPU now, and barrier() takes it as its device
+        # NCCL binds this rank to its GPU now (barrier() then uses it too)
         device_id=device if cuda else None,
     )
     # SIGTERM (a scheduler's, or terminate_ranks') ends this rank as Ctrl-C

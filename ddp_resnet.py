@@ -54,7 +54,7 @@ def ddp_setup(local_rank, args):
         world_size=world_size,
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL sets up on this GPU now, and barrier() takes it as its device
+        # NCCL binds this rank to its GPU now (barrier() then uses it too)
         device_id=device if cuda else None,
     )
     # SIGTERM (a scheduler's, or terminate_ranks') ends this rank as Ctrl-C
@@ -85,7 +85,7 @@ def load_datasets(args):
         train = datasets.ImageFolder(args.data, transform=preprocess)
         classes = train.classes
     else:
-        # no files: 256 random images x 50, one class each, so the loss can fall
+        # no files: 256 random images labelled 0..255, x 50: a loss that can fall
         images = TensorDataset(torch.randn(256, 3, size, size), torch.arange(256))
         train = ConcatDataset([images] * 50)
         classes = list(range(256))
@@ -228,7 +228,7 @@ def load_model(epoch, model, optimizer, device, args):
     ckpt = torch.load(file, map_location=device, weights_only=True)
     model.module.load_state_dict(ckpt["model_state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_state_dict"])
-    # --resume with another --lr: the flag's lr, not the checkpoint's
+    # each load restores the saving run's lr: set --lr's (--resume may change it)
     for group in optimizer.param_groups:
         group["lr"] = args.lr
 
@@ -260,8 +260,8 @@ def run_training_process_on_given_gpu(local_rank, args):
     # fixed: the tutorial's range(1, 30) ran 29 epochs
     epochs = range(first_epoch, args.epochs + 1)
     for epoch in epochs:
-        # the tutorial's lesson: each epoch starts from rank 0's last checkpoint
-        # in every rank (with --resume, the first epoch too)
+        # the tutorial's lesson, not DDP's need: every rank loads rank 0's last
+        # checkpoint at each epoch (and at the first one with --resume)
         if epoch > 1:
             load_model(epoch - 1, model, optimizer, device, args)
         loss, rate = train(model, loader, optimizer, device, epoch, steps, args)

@@ -31,7 +31,7 @@ def load_datasets(args):
     """The training set and its number of classes."""
     size = args.image_size
     if not args.data:
-        # no files: 256 random images x 50, one class each, so the loss can fall
+        # no files: 256 random images labelled 0..255, x 50: a loss that can fall
         images = TensorDataset(torch.randn(256, 3, size, size), torch.arange(256))
         return ConcatDataset([images] * 50), 256
     # the tutorial's Resize(256) and CenterCrop(224), in proportion at any size
@@ -145,7 +145,7 @@ def load_model(epoch, net, optimizer, device, args):
     ckpt = torch.load(file, map_location=device, weights_only=True)
     net.load_state_dict(ckpt["model_state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_state_dict"])
-    # --resume with another --lr: the flag's lr, not the checkpoint's
+    # each load restores the saving run's lr: set --lr's (--resume may change it)
     for group in optimizer.param_groups:
         group["lr"] = args.lr
 
