@@ -357,11 +357,11 @@ def launch(main, args):
         os.environ["MASTER_ADDR"] = "127.0.0.1"
         # SIGTERM to this launcher: terminate_ranks, below
         signal.signal(signal.SIGTERM, terminate_ranks)
-        # join=False and a loop of join(grace_period=5), not spawn's own join:
+        # join=False, then join(grace_period=5) until it is True (every rank done):
         # when one rank fails, the others get 5 s to end by themselves
         ranks = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
         while not ranks.join(grace_period=5):
-            pass  # join() is False while ranks still run
+            pass
     except mp.ProcessExitedException as e:
         # optional: a rank's exit code (1: it has printed why), with no traceback
         if e.exit_code < 0:
