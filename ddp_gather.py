@@ -28,22 +28,20 @@ def ddp_setup(local_rank, args):
     if cuda:
         # before the first collective, or every rank would use cuda:0
         torch.cuda.set_device(device)
-    # torchrun sets RANK and WORLD_SIZE; under mp.spawn, on one machine, the
-    # spawn index (local_rank) is the rank and --nprocs the world size
-    rank = int(os.environ.get("RANK") or local_rank)
-    world_size = int(os.environ.get("WORLD_SIZE") or args.nprocs)
     dist.init_process_group(
         # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on CPUs
         "nccl" if cuda else "gloo",
-        rank=rank,
-        world_size=world_size,
+        # torchrun sets RANK, WORLD_SIZE and MASTER_*; mp.spawn, on one machine,
+        # gives local_rank and --nprocs, and launch() below sets MASTER_*
+        rank=int(os.environ.get("RANK") or local_rank),
+        world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL binds this rank to its GPU now (barrier() then uses it too)
+        # so that barrier() knows this rank's GPU (torch warns otherwise)
         device_id=device if cuda else None,
     )
-    # SIGTERM (a scheduler's, or terminate_ranks') ends this rank as Ctrl-C
-    # does, with a KeyboardInterrupt: `finally` blocks clean up
+    # SIGTERM (a scheduler's, torchrun's, or terminate_ranks' below) stops this
+    # rank as Ctrl-C does, with a KeyboardInterrupt: `finally` blocks clean up
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     return device
 
@@ -87,28 +85,29 @@ def launch(main, args):
         if os.environ.get("RANK"):
             # torchrun (or a pod that sets RANK) started this process as one rank
             local_rank = int(os.environ.get("LOCAL_RANK") or 0)
-            # record(main), optional: torchrun's report then shows this rank's error
+            # record, optional: torchrun's error report shows this rank's traceback
             return record(main)(local_rank, args)
         # optional, fixed: each rank gets its share of the cores, not all of them
         if not os.environ.get("OMP_NUM_THREADS"):
             threads = max(1, os.cpu_count() // args.nprocs)
             os.environ["OMP_NUM_THREADS"] = str(threads)
-        # fixed: a free port, not the tutorial's 12355 (port 0: the system picks)
+        # fixed: a free port that the system picks (port 0), not the tutorial's 12355
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # SIGTERM to this launcher: terminate_ranks, below
+        # SIGTERM to this launcher: terminate_ranks (below) passes it to every rank
         signal.signal(signal.SIGTERM, terminate_ranks)
-        # join=False, then join(grace_period=5) until it is True (every rank done):
-        # when one rank fails, the others get 5 s to end by themselves
         ranks = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
+        # not join=True, which ends the others the moment one rank fails: they
+        # get 5 s to end on their own (rank 0 to print why), then SIGTERM
         while not ranks.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: a rank's exit code (1: it has printed why), with no traceback
+        # optional: a rank that exited 1 has printed why: exit 1 too, with no
+        # traceback; a rank killed by a signal: torch's error names it
         if e.exit_code < 0:
-            raise  # killed by a signal: torch's message names it
+            raise
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         # optional: Ctrl-C or SIGTERM ends quietly, 130 as a shell gives for Ctrl-C

@@ -17,7 +17,6 @@ import sys
 import tempfile
 import time
 from datetime import timedelta
-from itertools import islice
 from pathlib import Path
 
 import torch
@@ -43,22 +42,20 @@ def ddp_setup(local_rank, args):
     if cuda:
         # before the first collective, or every rank would use cuda:0
         torch.cuda.set_device(device)
-    # torchrun sets RANK and WORLD_SIZE; under mp.spawn, on one machine, the
-    # spawn index (local_rank) is the rank and --nprocs the world size
-    rank = int(os.environ.get("RANK") or local_rank)
-    world_size = int(os.environ.get("WORLD_SIZE") or args.nprocs)
     dist.init_process_group(
         # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on CPUs
         "nccl" if cuda else "gloo",
-        rank=rank,
-        world_size=world_size,
+        # torchrun sets RANK, WORLD_SIZE and MASTER_*; mp.spawn, on one machine,
+        # gives local_rank and --nprocs, and launch() below sets MASTER_*
+        rank=int(os.environ.get("RANK") or local_rank),
+        world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL binds this rank to its GPU now (barrier() then uses it too)
+        # so that barrier() knows this rank's GPU (torch warns otherwise)
         device_id=device if cuda else None,
     )
-    # SIGTERM (a scheduler's, or terminate_ranks') ends this rank as Ctrl-C
-    # does, with a KeyboardInterrupt: `finally` blocks clean up
+    # SIGTERM (a scheduler's, torchrun's, or terminate_ranks' below) stops this
+    # rank as Ctrl-C does, with a KeyboardInterrupt: `finally` blocks clean up
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     return device
 
@@ -85,7 +82,7 @@ def load_datasets(args):
         train = datasets.ImageFolder(args.data, transform=preprocess)
         classes = train.classes
     else:
-        # no files: 256 random images labelled 0..255, x 50: a loss that can fall
+        # no --data: 256 random images, each its own class (learnable: the loss falls)
         images = TensorDataset(torch.randn(256, 3, size, size), torch.arange(256))
         train = ConcatDataset([images] * 50)
         classes = list(range(256))
@@ -94,7 +91,7 @@ def load_datasets(args):
         val = datasets.ImageFolder(args.val_data, transform=preprocess)
         # the same classes in the same order, or the labels mean other things
         if val.classes != classes:
-            exit_all_ranks(f"--val-data {args.val_data}: its classes are not --data's")
+            fail(f"--val-data {args.val_data}: its classes are not --data's")
     return train, val, len(classes)
 
 
@@ -104,16 +101,15 @@ def build_model(args, num_classes):
 
 
 def prepare_dataloader(dataset, device, args):
-    # the loader's workers start from a forkserver, not from a fork of this
-    # rank (its gloo or NCCL threads could leave a lock held); it imports
-    # torch once, not each worker of each epoch again
+    # the loader's workers start from a forkserver, not as forks of this rank and
+    # its gloo or NCCL threads; preloaded, it imports torch once for all of them
     mp.set_forkserver_preload(["torch", "torchvision"])
     return DataLoader(
         dataset,
         args.batch_size,
         # each rank its own shuffled share of the training set
         sampler=DistributedSampler(dataset, seed=args.seed),
-        # fixed: per rank; the tutorial's 4 * GPUs in every rank is 4 * GPUs² in all
+        # fixed: per rank; the tutorial gave every rank 4 workers per GPU of the node
         num_workers=args.workers,
         multiprocessing_context="forkserver" if args.workers else None,
         pin_memory=device.type == "cuda",
@@ -123,17 +119,17 @@ def prepare_dataloader(dataset, device, args):
 
 
 def train(model, dataloader, optimizer, device, epoch, steps, args):
-    """One epoch: its mean loss over every rank's steps, and images/s."""
+    """One epoch of `steps` steps; the loss averaged over every rank, and images/s."""
     # fixed: without set_epoch every epoch has the same order
     dataloader.sampler.set_epoch(epoch)
-    # random numbers of this rank and epoch (workers' seeds, dropout), the same
-    # in a resumed run: hash() of ints is the same in every process
-    torch.manual_seed(hash((args.seed, epoch, dist.get_rank())))
+    # bit for bit on --resume: this epoch's random numbers (augmentation,
+    # dropout) come from the seed, the epoch and the rank alone
+    torch.manual_seed(args.seed + 1000 * epoch + dist.get_rank())
     global_batch = args.batch_size * dist.get_world_size()
     # summed on the device: .item() at every step would wait for it
     loss_sum = torch.zeros((), device=device)
     began = last_print = time.monotonic()
-    for step, (images, labels) in enumerate(islice(dataloader, steps), start=1):
+    for step, (images, labels) in enumerate(dataloader, start=1):
         # non_blocking: the copy of a pinned batch overlaps the GPU's work
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
@@ -147,14 +143,18 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
         loss_sum += loss.detach().float()
         # a line every 10 steps, at the last, and at least every 30 s
         if step % 10 == 0 or step == steps or time.monotonic() - last_print > 30:
-            # .item() waits for the GPU, so the clock is read after it
+            # .item() waits for the GPU: the clock after it, so the time is true
             value = loss.item()
-            last_print = time.monotonic()
-            rate = step * global_batch / (last_print - began)
+            now = time.monotonic()
+            rate = step * global_batch / (now - began)
             print0(
                 f"epoch {epoch}/{args.epochs} | step {step}/{steps}"
                 f" | loss {value:.4f} | {rate:.0f} img/s"
             )
+            last_print = now
+        # --max-steps: a shorter epoch
+        if step == steps:
+            break
     # fixed: the tutorial prints rank 0's loss alone; this is every rank's mean
     dist.all_reduce(loss_sum)
     loss = loss_sum.item() / steps / dist.get_world_size()
@@ -164,24 +164,25 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
 @torch.no_grad()
 def evaluate(model, val_set, device, args):
     """Top-1 accuracy over the validation set, each image counted once."""
-    # BatchNorm's statistics differ by rank after the last step: use rank 0's
-    for buffer in model.module.buffers():
-        dist.broadcast(buffer, src=0)
     # every world_size-th image, from this rank's number on: a DistributedSampler
     # would repeat some images to give every rank as many
     share = Subset(val_set, range(dist.get_rank(), len(val_set), dist.get_world_size()))
-    # correct and seen, in one tensor for one all_reduce
-    counts = torch.zeros(2, dtype=torch.int64, device=device)
+    # BatchNorm's running statistics: each rank updated its own in training;
+    # rank 0's for all, as DDP's next forward would make them
+    for buffer in model.module.buffers():
+        dist.broadcast(buffer, src=0)
+    correct = seen = 0
     model.eval()
     for images, labels in DataLoader(share, args.batch_size):
-        # the bare model: DDP's forward broadcasts the buffers, a collective
-        # that a rank with a batch fewer would never join
+        # model.module, not model: DDP's forward starts with a collective (the
+        # buffers' broadcast), which a rank with a batch fewer would never join
         with torch.autocast(device.type, torch.bfloat16, enabled=args.amp):
             logits = model.module(images.to(device))
-        counts[0] += (logits.argmax(1) == labels.to(device)).sum()
-        counts[1] += len(labels)
+        correct += (logits.argmax(1) == labels.to(device)).sum().item()
+        seen += len(labels)
     model.train()
-    # every rank joins; one with no images adds 0 and 0
+    # summed over the ranks; one with no images adds 0 and 0
+    counts = torch.tensor([correct, seen], device=device)
     dist.all_reduce(counts)
     correct, seen = counts.tolist()
     return dict(val_accuracy=correct / seen, val_correct=correct, val_samples=seen)
@@ -212,7 +213,7 @@ def save_model(epoch, model, optimizer, args):
             os.fsync(f.fileno())
         os.replace(tmp, file)
     finally:
-        # after a failure or Ctrl-C, no half-written .tmp is left
+        # a failure or Ctrl-C leaves no .tmp (after the rename there is none)
         tmp.unlink(missing_ok=True)
     return str(file)
 
@@ -228,14 +229,14 @@ def load_model(epoch, model, optimizer, device, args):
     ckpt = torch.load(file, map_location=device, weights_only=True)
     model.module.load_state_dict(ckpt["model_state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_state_dict"])
-    # each load restores the saving run's lr: set --lr's (--resume may change it)
+    # --lr over the saved lr the load brought back (they differ only on --resume)
     for group in optimizer.param_groups:
         group["lr"] = args.lr
 
 
 def run_training_process_on_given_gpu(local_rank, args):
     device = ddp_setup(local_rank, args)
-    # --seed: the same synthetic images in every rank, for the sampler to split
+    # --seed: the same synthetic images in every rank, the same weights every run
     torch.manual_seed(args.seed)
     train_set, val_set, num_classes = load_datasets(args)
     loader = prepare_dataloader(train_set, device, args)
@@ -251,17 +252,15 @@ def run_training_process_on_given_gpu(local_rank, args):
         steps = min(steps, args.max_steps)
     # fewer images than one global batch: drop_last leaves no step
     if steps == 0:
-        exit_all_ranks(
-            f"{len(train_set)} images: too few for --batch-size {args.batch_size}"
-        )
+        fail(f"{len(train_set)} images: too few for --batch-size {args.batch_size}")
     first_epoch = decide_first_epoch(device, args)
     print_start(model, steps, len(train_set), first_epoch, device, args)
-    results = {}
     # fixed: the tutorial's range(1, 30) ran 29 epochs
     epochs = range(first_epoch, args.epochs + 1)
+    results = {}
     for epoch in epochs:
-        # the tutorial's lesson, not DDP's need: every rank loads rank 0's last
-        # checkpoint at each epoch (and at the first one with --resume)
+        # the tutorial's lesson, not DDP's need: every epoch after the first (and a
+        # --resume's first) starts from rank 0's last checkpoint, loaded by each rank
         if epoch > 1:
             load_model(epoch - 1, model, optimizer, device, args)
         loss, rate = train(model, loader, optimizer, device, epoch, steps, args)
@@ -277,23 +276,21 @@ def run_training_process_on_given_gpu(local_rank, args):
         print0(line)
     results["epochs_run"] = len(epochs)
     report(results, steps, device, args)
-    # DDP's model goes before its group: torch 2.11 on gloo once hung otherwise
+    # free the DDP model before its group: on gloo, torch 2.11 hung otherwise
     del model
     dist.destroy_process_group()
 
 
 def decide_first_epoch(device, args):
-    """Epoch 1, or with --resume the one after the newest checkpoint. Rank 0
-    looks in --ckpt-dir and tells every rank, as nodes may see other folders."""
+    """Epoch 1, or with --resume the one after the newest checkpoint. Rank 0's
+    count goes to every rank (nodes may see other folders): all decide alike."""
     newest = torch.tensor(newest_epoch(args), device=device)
     dist.broadcast(newest, src=0)
     newest = newest.item()
     # a fresh run into a used folder: refused, or --resume would mix two runs
     if newest and not args.resume:
         last = Path(args.ckpt_dir) / f"epoch_{newest}.pt"
-        exit_all_ranks(
-            f"{last} exists: add --resume to go on, or use another --ckpt-dir"
-        )
+        fail(f"{last} exists: add --resume to go on, or use another --ckpt-dir")
     return newest + 1
 
 
@@ -314,7 +311,8 @@ def print_start(model, steps, num_images, first_epoch, device, args):
 
 
 def report(results, steps, device, args):
-    """The done line, and rank 0's --metrics-out."""
+    """The done line, and rank 0's --metrics-out. A resumed run with no epoch
+    left has no final_loss and no checkpoint."""
     print0(
         f"done | epochs_run {results['epochs_run']}"
         f" | final_loss {results.get('final_loss')}"
@@ -331,8 +329,9 @@ def report(results, steps, device, args):
         Path(args.metrics_out).write_text(json.dumps(results, indent=1))
 
 
-def exit_all_ranks(message):
-    """Where every rank decides alike: each exits 1, and rank 0 says why."""
+def fail(message):
+    """Exit 1, rank 0 saying why. Only where every rank decides alike: a rank
+    that went on would wait for the others until --timeout."""
     print0(f"error: {message}", file=sys.stderr)
     sys.exit(1)
 
@@ -344,28 +343,29 @@ def launch(main, args):
         if os.environ.get("RANK"):
             # torchrun (or a pod that sets RANK) started this process as one rank
             local_rank = int(os.environ.get("LOCAL_RANK") or 0)
-            # record(main), optional: torchrun's report then shows this rank's error
+            # record, optional: torchrun's error report shows this rank's traceback
             return record(main)(local_rank, args)
         # optional, fixed: each rank gets its share of the cores, not all of them
         if not os.environ.get("OMP_NUM_THREADS"):
             threads = max(1, os.cpu_count() // args.nprocs)
             os.environ["OMP_NUM_THREADS"] = str(threads)
-        # fixed: a free port, not the tutorial's 12355 (port 0: the system picks)
+        # fixed: a free port that the system picks (port 0), not the tutorial's 12355
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # SIGTERM to this launcher: terminate_ranks, below
+        # SIGTERM to this launcher: terminate_ranks (below) passes it to every rank
         signal.signal(signal.SIGTERM, terminate_ranks)
-        # join=False, then join(grace_period=5) until it is True (every rank done):
-        # when one rank fails, the others get 5 s to end by themselves
         ranks = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
+        # not join=True, which ends the others the moment one rank fails: they
+        # get 5 s to end on their own (rank 0 to print why), then SIGTERM
         while not ranks.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: a rank's exit code (1: it has printed why), with no traceback
+        # optional: a rank that exited 1 has printed why: exit 1 too, with no
+        # traceback; a rank killed by a signal: torch's error names it
         if e.exit_code < 0:
-            raise  # killed by a signal: torch's message names it
+            raise
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
         # optional: Ctrl-C or SIGTERM ends quietly, 130 as a shell gives for Ctrl-C
@@ -403,7 +403,7 @@ def parse_args():
     p.add_argument("--data", help="an ImageFolder; without it, random images")
     p.add_argument("--val-data", help="an ImageFolder of --data's classes")
     p.add_argument("--image-size", type=positive, default=224)
-    # torchvision's classification models, less two whose outputs are not a tensor
+    # torchvision's classifiers, except two whose training output is a tuple
     archs = models.list_models(module=models, exclude=["googlenet", "inception*"])
     p.add_argument("--arch", default="resnet50", choices=archs)
     p.add_argument("--workers", type=int, default=4 if gpus else 0, help="per rank")
@@ -418,7 +418,7 @@ if __name__ == "__main__":
     args = parse_args()
     if args.data and not Path(args.data).is_dir():
         sys.exit(f"error: --data {args.data}: no such folder")
-    # --ckpt-dir made and tried: one that cannot be written fails now, not later
+    # fails now if --ckpt-dir cannot be written, not after the first epoch
     try:
         Path(args.ckpt_dir).mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=args.ckpt_dir).close()

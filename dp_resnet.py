@@ -31,7 +31,7 @@ def load_datasets(args):
     """The training set and its number of classes."""
     size = args.image_size
     if not args.data:
-        # no files: 256 random images labelled 0..255, x 50: a loss that can fall
+        # no --data: 256 random images, each its own class (learnable: the loss falls)
         images = TensorDataset(torch.randn(256, 3, size, size), torch.arange(256))
         return ConcatDataset([images] * 50), 256
     # the tutorial's Resize(256) and CenterCrop(224), in proportion at any size
@@ -97,7 +97,7 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
         loss_sum += loss.detach().float()
         # a line every 10 steps, at the last, and at least every 30 s
         if step % 10 == 0 or step == steps or time.monotonic() - last_print > 30:
-            # .item() waits for the GPU, so the clock is read after it
+            # .item() waits for the GPU: the clock after it, so the time is true
             value = loss.item()
             last_print = time.monotonic()
             rate = step * args.batch_size / (last_print - began)
@@ -134,7 +134,7 @@ def save_model(epoch, net, optimizer, args):
             os.fsync(f.fileno())
         os.replace(tmp, file)
     finally:
-        # after a failure or Ctrl-C, no half-written .tmp is left
+        # a failure or Ctrl-C leaves no .tmp (after the rename there is none)
         tmp.unlink(missing_ok=True)
     return str(file)
 
@@ -145,7 +145,7 @@ def load_model(epoch, net, optimizer, device, args):
     ckpt = torch.load(file, map_location=device, weights_only=True)
     net.load_state_dict(ckpt["model_state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_state_dict"])
-    # each load restores the saving run's lr: set --lr's (--resume may change it)
+    # --lr over the saved lr the load brought back (they differ only on --resume)
     for group in optimizer.param_groups:
         group["lr"] = args.lr
 
@@ -228,7 +228,7 @@ def parse_args():
     p.add_argument("--max-steps", type=positive, help="a shorter epoch")
     p.add_argument("--data", help="an ImageFolder; without it, random images")
     p.add_argument("--image-size", type=positive, default=224)
-    # torchvision's classification models, less two whose outputs are not a tensor
+    # torchvision's classifiers, except two whose training output is a tuple
     archs = models.list_models(module=models, exclude=["googlenet", "inception*"])
     p.add_argument("--arch", default="resnet50", choices=archs)
     gpus = torch.cuda.device_count()
@@ -254,7 +254,7 @@ if __name__ == "__main__":
         sys.exit(
             f"error: {last} exists: add --resume to go on, or use another --ckpt-dir"
         )
-    # --ckpt-dir made and tried: one that cannot be written fails now, not later
+    # fails now if --ckpt-dir cannot be written, not after the first epoch
     try:
         Path(args.ckpt_dir).mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=args.ckpt_dir).close()

@@ -206,8 +206,8 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         "ddp_resnet.py",
         [
             (
-                "    counts = torch.zeros(2, dtype=torch.int64",
-                "    if not len(share):\n        return {}\n    counts = torch.zeros(2, dtype=torch.int64",
+                "    correct = seen = 0",
+                "    if not len(share):\n        return {}\n    correct = seen = 0",
             )
         ],
         "tests/test_validation.py::test_a_rank_with_no_validation_image_still_joins_the_count",
