@@ -144,14 +144,14 @@ def test(model, test_set, device, batch_size):
     share = Subset(
         test_set, range(dist.get_rank(), len(test_set), dist.get_world_size())
     )
-    # correct and seen, in one tensor for one all_reduce
-    counts = torch.zeros(2, dtype=torch.long, device=device)
+    correct = seen = 0
     model.eval()
     for images, labels in DataLoader(share, batch_size):
         predicted = model(images.to(device)).argmax(1)
-        counts[0] += (predicted == labels.to(device)).sum()
-        counts[1] += len(labels)
+        correct += (predicted == labels.to(device)).sum().item()
+        seen += len(labels)
     # the whole test set's counts, not this rank's share alone
+    counts = torch.tensor([correct, seen], device=device)
     dist.all_reduce(counts)
     correct, seen = counts.tolist()
     return dict(test_accuracy=correct / seen, test_correct=correct, test_samples=seen)
