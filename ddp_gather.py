@@ -15,6 +15,10 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
+# Ctrl-C in the first seconds, while torch imports: exit 130 at once, with no
+# traceback (a KeyboardInterrupt raised inside torch's import can even be lost)
+signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -40,9 +44,10 @@ def ddp_setup(local_rank, args):
         # so that barrier() knows this rank's GPU (torch warns otherwise)
         device_id=device if cuda else None,
     )
-    # SIGTERM (a scheduler's, torchrun's, or terminate_ranks' below) stops this
-    # rank as Ctrl-C does, with a KeyboardInterrupt: `finally` blocks clean up
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # from here on, Ctrl-C and SIGTERM (a scheduler's, torchrun's, terminate_ranks')
+    # raise KeyboardInterrupt in this rank: `finally` blocks clean up
+    for sig in signal.SIGINT, signal.SIGTERM:
+        signal.signal(sig, signal.default_int_handler)
     return device
 
 
@@ -96,7 +101,9 @@ def launch(main, args):
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
+        # Ctrl-C from here on: KeyboardInterrupt (each rank gets its own Ctrl-C);
         # SIGTERM to this launcher: terminate_ranks (below) passes it to every rank
+        signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, terminate_ranks)
         ranks = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
         # not join=True, which ends the others the moment one rank fails: they

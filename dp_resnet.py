@@ -21,6 +21,10 @@ import time
 from itertools import islice
 from pathlib import Path
 
+# Ctrl-C in the first seconds, while torch imports: exit 130 at once, with no
+# traceback (a KeyboardInterrupt raised inside torch's import can even be lost)
+signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+
 import torch
 import torchvision.transforms as T
 from torch.utils.data import ConcatDataset, DataLoader, TensorDataset
@@ -266,8 +270,9 @@ if __name__ == "__main__":
     # drop_last would leave no step at all
     if len(train_set) < args.batch_size:
         sys.exit(f"error: {len(train_set)} images, too few for one batch")
-    # SIGTERM raises KeyboardInterrupt, as Ctrl-C does: a save removes its .tmp
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # from here on, Ctrl-C and SIGTERM raise KeyboardInterrupt: a save removes its .tmp
+    for sig in signal.SIGINT, signal.SIGTERM:
+        signal.signal(sig, signal.default_int_handler)
     try:
         # CUDA_VISIBLE_DEVICES chooses the GPUs
         gpus = 0 if args.cpu else torch.cuda.device_count()

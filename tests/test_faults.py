@@ -24,6 +24,7 @@ from conftest import (
     run,
     same_weights,
     start,
+    tagged,
     tmpfs,
     torchrun,
 )
@@ -257,6 +258,20 @@ def stop_twice(proc) -> None:
     os.kill(proc.pid, signal.SIGTERM)
 
 
+def left_at_exit(proc) -> list:
+    """The run's processes alive the moment its launcher exits (but the resource tracker, which
+    ends when the launcher has)."""
+    proc.wait(timeout=30)
+    left = []
+    for pid in tagged(proc.mark):
+        try:
+            if b"resource_tracker" not in open(f"/proc/{pid}/cmdline", "rb").read():
+                left.append(pid)
+        except OSError:
+            pass
+    return left
+
+
 def during_a_save(proc, folder) -> None:
     """Wait until a checkpoint is being written (its temporary file exists)."""
     deadline = time.monotonic() + TIMEOUT
@@ -294,6 +309,8 @@ def test_a_stop_mid_epoch_then_ctrl_c_during_a_save_then_resume(how, tmp_path):
     during_a_save(proc, folder)
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
     sent = time.monotonic()
+    if how == "spawn":
+        assert left_at_exit(proc) == [], "the launcher ended before its ranks"
     res = finish(proc, timeout=30, check=False)
     assert time.monotonic() - sent < 15
     interrupted(res, how)
@@ -301,6 +318,45 @@ def test_a_stop_mid_epoch_then_ctrl_c_during_a_save_then_resume(how, tmp_path):
     done = saved(folder)  # the save under way is either whole or gone; the newest one loads
     assert done in ([1], [1, 2])  # (--resume from it: test_resnet.py, and after a full disk)
     torch.load(folder / f"epoch_{done[-1]}.pt", weights_only=True)
+
+
+def importing_torch(pid: int) -> bool:
+    """The process has begun to load torch's libraries: its `import torch` is under way."""
+    try:
+        return "/libtorch" in open(f"/proc/{pid}/maps").read()
+    except OSError:
+        return False
+
+
+def ranks_importing_torch(pid: int) -> bool:
+    """Both ranks of a spawned run have begun to import torch."""
+    try:
+        ranks = [p for p in children(pid) if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
+    except OSError:  # one just ended
+        return False
+    return len(ranks) == 2 and all(map(importing_torch, ranks))
+
+
+@pytest.mark.parametrize("script", ["ddp_resnet.py", "dp_resnet.py"])
+def test_ctrl_c_in_the_first_seconds_is_quiet(script, tmp_path):
+    """Ctrl-C while the launcher imports torch, and (spawned) while the ranks do: exit 130, no
+    traceback, nothing left. Before, each process printed a KeyboardInterrupt traceback from
+    inside torch's import, and one that landed in the NumPy set-up there was lost: the run went
+    on to the end."""
+    flags = [*LONG, "--epochs", 2, "--ckpt-dir", tmp_path / "ckpt"]
+    command = python(script, *(["--nprocs", 2] if script == "ddp_resnet.py" else []), *flags)
+    moments = ["launcher"] + (["ranks"] if script == "ddp_resnet.py" else [])
+    for moment in moments:
+        proc = start(command)
+        deadline = time.monotonic() + TIMEOUT
+        ready = importing_torch if moment == "launcher" else ranks_importing_torch
+        while not ready(proc.pid):
+            assert time.monotonic() < deadline and proc.poll() is None, (moment, proc.poll())
+            time.sleep(0.005)
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
+        res = finish(proc, timeout=30, check=False)
+        assert res.returncode == 130 and "Traceback" not in res.stderr, (moment, res.stderr[-3000:])
+        assert res.stdout == "", (moment, res.stdout)  # stopped before the start line
 
 
 @pytest.fixture
