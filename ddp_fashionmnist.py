@@ -18,8 +18,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-# Ctrl-C in the first seconds, while torch imports: exit 130 at once, with no
-# traceback (a KeyboardInterrupt raised inside torch's import can even be lost)
+# Ctrl-C while torch imports (the first seconds): exit 130 at once, quietly;
+# it is a KeyboardInterrupt again (below) once there is work to clean up
 signal.signal(signal.SIGINT, lambda *_: os._exit(130))
 
 import torch
@@ -57,8 +57,8 @@ def ddp_setup(local_rank, args):
         # so that barrier() knows this rank's GPU (torch warns otherwise)
         device_id=device if cuda else None,
     )
-    # from here on, Ctrl-C and SIGTERM (a scheduler's, torchrun's, terminate_ranks')
-    # raise KeyboardInterrupt in this rank: `finally` blocks clean up
+    # now Ctrl-C, and SIGTERM (a scheduler's, torchrun's, the launcher's), raise
+    # KeyboardInterrupt, as Ctrl-C does in any script: clean-up code runs
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, signal.default_int_handler)
     return device
@@ -223,7 +223,7 @@ def launch(main, args):
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # Ctrl-C from here on: KeyboardInterrupt (each rank gets its own Ctrl-C);
+        # Ctrl-C: a KeyboardInterrupt here too, and each rank gets its own.
         # SIGTERM to this launcher: terminate_ranks (below) passes it to every rank
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, terminate_ranks)

@@ -21,8 +21,8 @@ import time
 from itertools import islice
 from pathlib import Path
 
-# Ctrl-C in the first seconds, while torch imports: exit 130 at once, with no
-# traceback (a KeyboardInterrupt raised inside torch's import can even be lost)
+# Ctrl-C while torch imports (the first seconds): exit 130 at once, quietly;
+# it is a KeyboardInterrupt again (below) once there is work to clean up
 signal.signal(signal.SIGINT, lambda *_: os._exit(130))
 
 import torch
@@ -270,7 +270,7 @@ if __name__ == "__main__":
     # drop_last would leave no step at all
     if len(train_set) < args.batch_size:
         sys.exit(f"error: {len(train_set)} images, too few for one batch")
-    # from here on, Ctrl-C and SIGTERM raise KeyboardInterrupt: a save removes its .tmp
+    # now Ctrl-C, and SIGTERM, raise KeyboardInterrupt: a save removes its .tmp
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, signal.default_int_handler)
     try:

@@ -138,7 +138,7 @@ def test_the_repeated_helpers_and_launching_are_the_same_in_every_script():
         ("def print0", "\n\n\n", ["ddp_fashionmnist.py", "ddp_resnet.py"]),
         ("# --- launching", "# --- end of launching ---", DDP),
         ("def positive", "\n\n\n", SCRIPTS),
-        ("# Ctrl-C in the first seconds", "import torch", SCRIPTS),
+        ("# Ctrl-C while torch imports", "import torch", SCRIPTS),
     ):
         copies = {s: section(texts[s], start, end) for s in scripts}
         assert len(set(copies.values())) == 1, f"the copies of {start!r} differ"
