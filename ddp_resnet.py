@@ -105,6 +105,12 @@ def build_model(args, num_classes):
     return models.get_model(args.arch, weights=None, num_classes=num_classes)
 
 
+def ignore_ctrl_c(worker_id):
+    """Runs in each loader worker: Ctrl-C reaches every process, but workers
+    end through their loader (one that died mid-batch left a traceback)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def prepare_dataloader(dataset, device, args):
     # the loader's workers start from a forkserver, not as forks of this rank and
     # its gloo or NCCL threads; preloaded, it imports torch once for all of them
@@ -117,6 +123,7 @@ def prepare_dataloader(dataset, device, args):
         # fixed: per rank; the tutorial gave every rank 4 workers per GPU of the node
         num_workers=args.workers,
         multiprocessing_context="forkserver" if args.workers else None,
+        worker_init_fn=ignore_ctrl_c,
         pin_memory=device.type == "cuda",
         # BatchNorm cannot train on a last batch of 1 image
         drop_last=True,

@@ -57,7 +57,17 @@ def build_model(args, num_classes):
     return models.get_model(args.arch, weights=None, num_classes=num_classes)
 
 
+def ignore_ctrl_c(worker_id):
+    """Runs in each loader worker: Ctrl-C reaches every process, but workers
+    end through their loader (one that died mid-batch left a traceback)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def prepare_dataloader(dataset, gpus, args):
+    # the workers start from a forkserver, not as forks of this process: Python
+    # loses a Ctrl-C during a fork, and one of a process with CUDA is slow.
+    # Preloaded, the forkserver imports torch once for all of them
+    torch.multiprocessing.set_forkserver_preload(["torch", "torchvision"])
     return DataLoader(
         dataset,
         # the global batch: DataParallel splits it between the GPUs
@@ -65,6 +75,8 @@ def prepare_dataloader(dataset, gpus, args):
         # fixed: the tutorial's shuffle=False gave every epoch one order
         shuffle=True,
         num_workers=args.workers,
+        multiprocessing_context="forkserver" if args.workers else None,
+        worker_init_fn=ignore_ctrl_c,
         pin_memory=gpus > 0,
         # BatchNorm cannot train on a last batch of 1 image
         drop_last=True,

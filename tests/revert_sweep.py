@@ -164,7 +164,25 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         "ddp: workers import torch each epoch",
         "ddp_resnet.py",
         [('    mp.set_forkserver_preload(["torch", "torchvision"])\n', "")],
-        "tests/test_resnet.py::test_loader_workers_do_not_import_torch_again",
+        "tests/test_resnet.py::test_loader_workers_come_from_a_forkserver_and_ignore_ctrl_c[ddp_resnet.py]",
+    ),
+    (
+        "ddp: workers die on Ctrl-C",
+        "ddp_resnet.py",
+        [("        worker_init_fn=ignore_ctrl_c,\n", "")],
+        "tests/test_resnet.py::test_loader_workers_come_from_a_forkserver_and_ignore_ctrl_c[ddp_resnet.py]",
+    ),
+    (
+        "dp: workers die on Ctrl-C",
+        "dp_resnet.py",
+        [("        worker_init_fn=ignore_ctrl_c,\n", "")],
+        "tests/test_resnet.py::test_loader_workers_come_from_a_forkserver_and_ignore_ctrl_c[dp_resnet.py]",
+    ),
+    (
+        "dp: workers forked",
+        "dp_resnet.py",
+        [('        multiprocessing_context="forkserver" if args.workers else None,\n', "")],
+        "tests/test_resnet.py::test_loader_workers_come_from_a_forkserver_and_ignore_ctrl_c[dp_resnet.py]",
     ),
     (
         "ddp: weights_only=False",

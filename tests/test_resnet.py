@@ -8,6 +8,7 @@ import re
 import shutil
 import signal
 import subprocess
+import threading
 import time
 
 import pytest
@@ -25,6 +26,7 @@ from conftest import (
     python,
     run,
     start,
+    tagged,
 )
 
 TIMEOUT = 180
@@ -274,13 +276,45 @@ def test_dataparallel_lines_reach_a_log_file_as_they_are_printed(tmp_path):
     assert lines[1].startswith("epoch 1/100 | step 2/2 | loss "), lines
 
 
-def test_loader_workers_do_not_import_torch_again(tmp_path):
-    """Each epoch's loader workers start from the forkserver, which imported torch once: a
-    worker that imports torch itself takes seconds, every epoch (2 img/s on an H200 with the
-    default 4 workers and 3 steps). -X importtime lists each process's imports: torch comes in
-    the launcher, the rank and the forkserver, not in the 6 workers of 3 epochs."""
-    cmd = command("ddp_resnet.py", "--workers", 2, "--epochs", 3, ranks=1)
+def started_workers(mark: str) -> list:
+    """The run's loader workers (the processes a forkserver started) once their start has
+    run ignore_ctrl_c: SIGINT is among the signals they ignore."""
+    servers, workers = set(), []
+    for pid in tagged(mark):
+        try:
+            if "forkserver" in open(f"/proc/{pid}/cmdline").read():
+                servers.add(pid)
+            status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
+            if int(status["SigIgn"], 16) & 1 << (signal.SIGINT - 1):
+                workers.append((pid, int(status["PPid"])))
+        except OSError:  # it just ended
+            pass
+    return [pid for pid, parent in workers if parent in servers]
+
+
+@pytest.mark.parametrize("script", ["ddp_resnet.py", "dp_resnet.py"])
+def test_loader_workers_come_from_a_forkserver_and_ignore_ctrl_c(script, tmp_path):
+    """Each epoch's loader workers start from a forkserver that imported torch once. -X
+    importtime lists each process's imports: torch comes in the launcher, the rank (ddp) and the
+    forkserver, not in the 6 workers of 3 epochs; a worker that imports torch takes seconds, every
+    epoch (2 img/s on an H200). dp_resnet.py forked its workers: Python lost a Ctrl-C that came
+    during a fork, and the run went on (a fork of a process with CUDA is slow).
+    Ctrl-C reaches the workers too; on a GPU one that died mid-batch left a traceback (the rank's
+    pin_memory thread was fetching from it). Here each worker, once started, gets SIGINT alone:
+    the run goes on to the end, its loader ending the workers. Before, a worker exited."""
+    cmd = command(script, "--workers", 2, "--epochs", 3, "--ckpt-dir", tmp_path / "ckpt", ranks=1)
     cmd[1:1] = ["-X", "importtime"]
-    res = run([*cmd, "--ckpt-dir", tmp_path / "ckpt"], TIMEOUT)
-    assert "epoch 3/3 | loss" in res.stdout
-    assert len(re.findall(r"\| torch$", res.stderr, re.M)) == 3, res.stderr[-2000:]
+    proc, interrupted = start(cmd), set()
+
+    def interrupt_workers():
+        while proc.poll() is None:
+            for pid in set(started_workers(proc.mark)) - interrupted:
+                os.kill(pid, signal.SIGINT)
+                interrupted.add(pid)
+            time.sleep(0.1)
+
+    threading.Thread(target=interrupt_workers, daemon=True).start()
+    res = finish(proc, TIMEOUT)
+    assert "epoch 3/3 | loss" in res.stdout and len(interrupted) >= 4, (interrupted, res.stdout)
+    imports = 3 if script == "ddp_resnet.py" else 2
+    assert len(re.findall(r"\| torch$", res.stderr, re.M)) == imports, res.stderr[-2000:]
