@@ -3,7 +3,8 @@
 # run_all.sh and its bench on NCCL; ddp_resnet.py under torchrun with --amp --channels-last,
 # saved, resumed, then resumed on the CPU on gloo; dp_resnet.py the same; FashionMNIST and the
 # gather under torchrun; then tests/gpu_probe.py: one line for each GPU-only guard, and where
-# an amp+channels-last step's time goes. Every command is shown with its exit code.
+# an amp+channels-last step's time goes; last, tests/gpu_ctrl_c.sh: Ctrl-C with loader
+# workers. Every command is shown with its exit code.
 #
 #   bash tests/gpu_check.sh 2>&1 | tee gpu_check.log
 set -u
@@ -39,5 +40,6 @@ fm=(--synthetic)
 step 120 "${tr[@]}" ddp_fashionmnist.py --epochs 1 "${fm[@]}"
 step 60 "${tr[@]}" ddp_gather.py
 step 300 "$PY" tests/gpu_probe.py "$work/gpu_saved.pt"
+step 300 bash tests/gpu_ctrl_c.sh 1
 echo "gpu_check: $failed failed"
 [ "$failed" -eq 0 ]
