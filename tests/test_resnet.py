@@ -302,14 +302,19 @@ def test_loader_workers_come_from_a_forkserver_and_ignore_ctrl_c(script, tmp_pat
     Ctrl-C reaches the workers too; on a GPU one that died mid-batch left a traceback (the rank's
     pin_memory thread was fetching from it). Here each worker, once started, gets SIGINT alone:
     the run goes on to the end, its loader ending the workers. Before, a worker exited."""
-    cmd = command(script, "--workers", 2, "--epochs", 3, "--ckpt-dir", tmp_path / "ckpt", ranks=1)
+    flags = ["--workers", 2, "--epochs", 3, "--ckpt-dir", tmp_path / "ckpt"]
+    # 10 steps an epoch: the workers live long enough to be found on a fast machine too
+    cmd = command(script, *flags, "--max-steps", 10, ranks=1)
     cmd[1:1] = ["-X", "importtime"]
     proc, interrupted = start(cmd), set()
 
     def interrupt_workers():
         while proc.poll() is None:
             for pid in set(started_workers(proc.mark)) - interrupted:
-                os.kill(pid, signal.SIGINT)
+                try:
+                    os.kill(pid, signal.SIGINT)
+                except ProcessLookupError:  # its epoch just ended
+                    continue
                 interrupted.add(pid)
             time.sleep(0.1)
 
