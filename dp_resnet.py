@@ -65,7 +65,7 @@ def ignore_ctrl_c(worker_id):
 
 def prepare_dataloader(dataset, gpus, args):
     # the workers start from a forkserver, not as forks of this process: Python
-    # loses a Ctrl-C during a fork, and one of a process with CUDA is slow.
+    # loses a Ctrl-C that comes during a fork, and forking a CUDA process is slow.
     # Preloaded, the forkserver imports torch once for all of them
     torch.multiprocessing.set_forkserver_preload(["torch", "torchvision"])
     return DataLoader(
