@@ -149,6 +149,11 @@ def save_model(epoch, net, optimizer, args):
             # on the disk before the rename makes it epoch_N.pt
             os.fsync(f.fileno())
         os.replace(tmp, file)
+    except RuntimeError as e:
+        # Ctrl-C inside torch.save comes out of its zip writer as a RuntimeError
+        if isinstance(e.__context__, KeyboardInterrupt):
+            raise KeyboardInterrupt from None
+        raise
     finally:
         # a failure or Ctrl-C leaves no .tmp (after the rename there is none)
         tmp.unlink(missing_ok=True)

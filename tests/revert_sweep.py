@@ -179,6 +179,18 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         "tests/test_resnet.py::test_loader_workers_come_from_a_forkserver_and_ignore_ctrl_c[dp_resnet.py]",
     ),
     (
+        "ddp: Ctrl-C mid-save a RuntimeError",
+        "ddp_resnet.py",
+        [("            raise KeyboardInterrupt from None\n", "            pass\n")],
+        "tests/test_faults.py::test_a_stop_mid_epoch_then_ctrl_c_during_a_save_then_resume",
+    ),
+    (
+        "dp: Ctrl-C mid-save a RuntimeError",
+        "dp_resnet.py",
+        [("            raise KeyboardInterrupt from None\n", "            pass\n")],
+        "tests/test_faults.py::test_a_stop_mid_epoch_then_ctrl_c_during_a_save_then_resume[dp]",
+    ),
+    (
         "dp: workers forked",
         "dp_resnet.py",
         [('        multiprocessing_context="forkserver" if args.workers else None,\n', "")],
