@@ -15,8 +15,7 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-# Ctrl-C while torch imports (the first seconds): exit 130 at once, quietly;
-# it is a KeyboardInterrupt again (below) once there is work to clean up
+# Ctrl-C while torch imports (the first seconds): exit 130 quietly, no traceback
 signal.signal(signal.SIGINT, lambda *_: os._exit(130))
 
 import torch
@@ -35,17 +34,16 @@ def ddp_setup(local_rank, args):
     dist.init_process_group(
         # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on CPUs
         "nccl" if cuda else "gloo",
-        # torchrun sets RANK, WORLD_SIZE and MASTER_*; mp.spawn, on one machine,
-        # gives local_rank and --nprocs, and launch() below sets MASTER_*
+        # torchrun gives RANK and WORLD_SIZE; mp.spawn local_rank and --nprocs
         rank=int(os.environ.get("RANK") or local_rank),
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # so that barrier() knows this rank's GPU (torch warns otherwise)
+        # binds the group to this GPU for barrier() (not DDP's device_ids)
         device_id=device if cuda else None,
     )
-    # now Ctrl-C, and SIGTERM (a scheduler's, torchrun's, the launcher's), raise
-    # KeyboardInterrupt, as Ctrl-C does in any script: clean-up code runs
+    # from here on, Ctrl-C and SIGTERM raise KeyboardInterrupt, so that clean-up
+    # code runs (a save removes its .tmp)
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, signal.default_int_handler)
     return device
@@ -101,8 +99,8 @@ def launch(main, args):
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # Ctrl-C: a KeyboardInterrupt here too, and each rank gets its own.
-        # SIGTERM to this launcher: terminate_ranks (below) passes it to every rank
+        # Ctrl-C reaches each rank itself, and here raises KeyboardInterrupt;
+        # a SIGTERM to this launcher alone, terminate_ranks passes on to each rank
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, terminate_ranks)
         ranks = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
@@ -111,8 +109,8 @@ def launch(main, args):
         while not ranks.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: a rank that exited 1 has printed why: exit 1 too, with no
-        # traceback; a rank killed by a signal: torch's error names it
+        # optional: a rank that failed has said why: its exit code, without our
+        # traceback (a rank killed by a signal: torch's error names it)
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)

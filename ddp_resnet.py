@@ -19,8 +19,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-# Ctrl-C while torch imports (the first seconds): exit 130 at once, quietly;
-# it is a KeyboardInterrupt again (below) once there is work to clean up
+# Ctrl-C while torch imports (the first seconds): exit 130 quietly, no traceback
 signal.signal(signal.SIGINT, lambda *_: os._exit(130))
 
 import torch
@@ -49,17 +48,16 @@ def ddp_setup(local_rank, args):
     dist.init_process_group(
         # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on CPUs
         "nccl" if cuda else "gloo",
-        # torchrun sets RANK, WORLD_SIZE and MASTER_*; mp.spawn, on one machine,
-        # gives local_rank and --nprocs, and launch() below sets MASTER_*
+        # torchrun gives RANK and WORLD_SIZE; mp.spawn local_rank and --nprocs
         rank=int(os.environ.get("RANK") or local_rank),
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # so that barrier() knows this rank's GPU (torch warns otherwise)
+        # binds the group to this GPU for barrier() (not DDP's device_ids)
         device_id=device if cuda else None,
     )
-    # now Ctrl-C, and SIGTERM (a scheduler's, torchrun's, the launcher's), raise
-    # KeyboardInterrupt, as Ctrl-C does in any script: clean-up code runs
+    # from here on, Ctrl-C and SIGTERM raise KeyboardInterrupt, so that clean-up
+    # code runs (a save removes its .tmp)
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, signal.default_int_handler)
     return device
@@ -73,7 +71,7 @@ def print0(*args, **kwargs):
 def load_datasets(args):
     """The training set, the validation set (or None), the number of classes."""
     size = args.image_size
-    # the tutorial's Resize(256) and CenterCrop(224), in proportion at any size
+    # the tutorial's Resize(256), CenterCrop(224), scaled to --image-size
     preprocess = T.Compose(
         [
             T.Resize(size * 256 // 224),
@@ -87,7 +85,8 @@ def load_datasets(args):
         train = datasets.ImageFolder(args.data, transform=preprocess)
         classes = train.classes
     else:
-        # no --data: 256 random images, each its own class (learnable: the loss falls)
+        # no --data: 256 random images, each its own class, 50 times over: the
+        # loss falls as the model learns them
         images = TensorDataset(torch.randn(256, 3, size, size), torch.arange(256))
         train = ConcatDataset([images] * 50)
         classes = list(range(256))
@@ -106,14 +105,14 @@ def build_model(args, num_classes):
 
 
 def ignore_ctrl_c(worker_id):
-    """Runs in each loader worker: Ctrl-C reaches every process, but workers
-    end through their loader (one that died mid-batch left a traceback)."""
+    """Each loader worker ignores Ctrl-C and ends through its loader (one that
+    died of Ctrl-C mid-batch made the training process print a traceback)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def prepare_dataloader(dataset, device, args):
-    # the loader's workers start from a forkserver, not as forks of this rank and
-    # its gloo or NCCL threads; preloaded, it imports torch once for all of them
+    # workers start from a forkserver that has torch loaded, not as forks of
+    # this rank, whose gloo or NCCL threads a fork can stall
     mp.set_forkserver_preload(["torch", "torchvision"])
     return DataLoader(
         dataset,
@@ -134,8 +133,8 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
     """One epoch of `steps` steps; the loss averaged over every rank, and images/s."""
     # fixed: without set_epoch every epoch has the same order
     dataloader.sampler.set_epoch(epoch)
-    # bit for bit on --resume: this epoch's random numbers (augmentation,
-    # dropout) come from the seed, the epoch and the rank alone
+    # seeded by the epoch and the rank: a resumed run draws the random numbers
+    # of an unbroken one, and ends with its weights bit for bit
     torch.manual_seed(args.seed + 1000 * epoch + dist.get_rank())
     global_batch = args.batch_size * dist.get_world_size()
     # summed on the device: .item() at every step would wait for it
@@ -155,7 +154,7 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
         loss_sum += loss.detach().float()
         # a line every 10 steps, at the last, and at least every 30 s
         if step % 10 == 0 or step == steps or time.monotonic() - last_print > 30:
-            # .item() waits for the GPU: the clock after it, so the time is true
+            # .item() waits for the GPU to finish; read the clock after it
             value = loss.item()
             now = time.monotonic()
             rate = step * global_batch / (now - began)
@@ -179,15 +178,15 @@ def evaluate(model, val_set, device, args):
     # every world_size-th image, from this rank's number on: a DistributedSampler
     # would repeat some images to give every rank as many
     share = Subset(val_set, range(dist.get_rank(), len(val_set), dist.get_world_size()))
-    # BatchNorm's running statistics: each rank updated its own in training;
-    # rank 0's for all, as DDP's next forward would make them
+    # each rank's BatchNorm statistics drifted apart in training: rank 0's for
+    # all, as DDP's next forward would copy them
     for buffer in model.module.buffers():
         dist.broadcast(buffer, src=0)
     correct = seen = 0
     model.eval()
     for images, labels in DataLoader(share, args.batch_size):
-        # model.module, not model: DDP's forward starts with a collective (the
-        # buffers' broadcast), which a rank with a batch fewer would never join
+        # model.module: DDP's forward would broadcast the buffers, a collective
+        # that a rank with one batch fewer never joins, and the others wait
         with torch.autocast(device.type, torch.bfloat16, enabled=args.amp):
             logits = model.module(images.to(device))
         correct += (logits.argmax(1) == labels.to(device)).sum().item()
@@ -246,7 +245,7 @@ def load_model(epoch, model, optimizer, device, args):
     ckpt = torch.load(file, map_location=device, weights_only=True)
     model.module.load_state_dict(ckpt["model_state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_state_dict"])
-    # --lr over the saved lr the load brought back (they differ only on --resume)
+    # the load brought back the saved lr: --lr wins (a --resume may change it)
     for group in optimizer.param_groups:
         group["lr"] = args.lr
 
@@ -276,8 +275,8 @@ def run_training_process_on_given_gpu(local_rank, args):
     epochs = range(first_epoch, args.epochs + 1)
     results = {}
     for epoch in epochs:
-        # the tutorial's lesson, not DDP's need: every epoch after the first (and a
-        # --resume's first) starts from rank 0's last checkpoint, loaded by each rank
+        # the tutorial's lesson (DDP does not need it): each epoch but the first
+        # starts by loading the last checkpoint into every rank
         if epoch > 1:
             load_model(epoch - 1, model, optimizer, device, args)
         loss, rate = train(model, loader, optimizer, device, epoch, steps, args)
@@ -299,8 +298,8 @@ def run_training_process_on_given_gpu(local_rank, args):
 
 
 def decide_first_epoch(device, args):
-    """Epoch 1, or with --resume the one after the newest checkpoint. Rank 0's
-    count goes to every rank (nodes may see other folders): all decide alike."""
+    """Epoch 1, or with --resume the one after the newest checkpoint that rank 0
+    sees: nodes may see other folders, and every rank must start alike."""
     newest = torch.tensor(newest_epoch(args), device=device)
     dist.broadcast(newest, src=0)
     newest = newest.item()
@@ -371,8 +370,8 @@ def launch(main, args):
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # Ctrl-C: a KeyboardInterrupt here too, and each rank gets its own.
-        # SIGTERM to this launcher: terminate_ranks (below) passes it to every rank
+        # Ctrl-C reaches each rank itself, and here raises KeyboardInterrupt;
+        # a SIGTERM to this launcher alone, terminate_ranks passes on to each rank
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGTERM, terminate_ranks)
         ranks = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
@@ -381,8 +380,8 @@ def launch(main, args):
         while not ranks.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: a rank that exited 1 has printed why: exit 1 too, with no
-        # traceback; a rank killed by a signal: torch's error names it
+        # optional: a rank that failed has said why: its exit code, without our
+        # traceback (a rank killed by a signal: torch's error names it)
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)

@@ -21,8 +21,7 @@ import time
 from itertools import islice
 from pathlib import Path
 
-# Ctrl-C while torch imports (the first seconds): exit 130 at once, quietly;
-# it is a KeyboardInterrupt again (below) once there is work to clean up
+# Ctrl-C while torch imports (the first seconds): exit 130 quietly, no traceback
 signal.signal(signal.SIGINT, lambda *_: os._exit(130))
 
 import torch
@@ -35,10 +34,11 @@ def load_datasets(args):
     """The training set and its number of classes."""
     size = args.image_size
     if not args.data:
-        # no --data: 256 random images, each its own class (learnable: the loss falls)
+        # no --data: 256 random images, each its own class, 50 times over: the
+        # loss falls as the model learns them
         images = TensorDataset(torch.randn(256, 3, size, size), torch.arange(256))
         return ConcatDataset([images] * 50), 256
-    # the tutorial's Resize(256) and CenterCrop(224), in proportion at any size
+    # the tutorial's Resize(256), CenterCrop(224), scaled to --image-size
     preprocess = T.Compose(
         [
             T.Resize(size * 256 // 224),
@@ -58,8 +58,8 @@ def build_model(args, num_classes):
 
 
 def ignore_ctrl_c(worker_id):
-    """Runs in each loader worker: Ctrl-C reaches every process, but workers
-    end through their loader (one that died mid-batch left a traceback)."""
+    """Each loader worker ignores Ctrl-C and ends through its loader (one that
+    died of Ctrl-C mid-batch made the training process print a traceback)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
@@ -113,7 +113,7 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
         loss_sum += loss.detach().float()
         # a line every 10 steps, at the last, and at least every 30 s
         if step % 10 == 0 or step == steps or time.monotonic() - last_print > 30:
-            # .item() waits for the GPU: the clock after it, so the time is true
+            # .item() waits for the GPU to finish; read the clock after it
             value = loss.item()
             last_print = time.monotonic()
             rate = step * args.batch_size / (last_print - began)
@@ -166,7 +166,7 @@ def load_model(epoch, net, optimizer, device, args):
     ckpt = torch.load(file, map_location=device, weights_only=True)
     net.load_state_dict(ckpt["model_state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_state_dict"])
-    # --lr over the saved lr the load brought back (they differ only on --resume)
+    # the load brought back the saved lr: --lr wins (a --resume may change it)
     for group in optimizer.param_groups:
         group["lr"] = args.lr
 

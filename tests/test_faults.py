@@ -276,21 +276,22 @@ def left_at_exit(proc) -> list:
     return left
 
 
-def writing(folder) -> bool:
-    """A checkpoint's bytes are being written: its temporary file holds some. (A Ctrl-C there
-    lands in torch.save's zip writer, which turned it into a RuntimeError 3 times in 4.)"""
+def writing(folder, least: float) -> bool:
+    """A checkpoint is being written, and its temporary file holds at least `least` bytes."""
     for tmp in Path(folder).glob("*.tmp"):
         try:
-            return tmp.stat().st_size > 0
+            return tmp.stat().st_size >= least
         except OSError:  # renamed as we looked
             pass
     return False
 
 
 def during_a_save(proc, folder) -> None:
-    """Wait until a checkpoint is being written."""
+    """Wait until a third of a checkpoint (epoch_1.pt's size) is written. A Ctrl-C there lands
+    in torch.save's zip writer, which turned 60 of 60 into a RuntimeError (ours, 2026-11-27)."""
+    third = (Path(folder) / "epoch_1.pt").stat().st_size / 3
     deadline = time.monotonic() + TIMEOUT
-    while not writing(folder):
+    while not writing(folder, third):
         assert time.monotonic() < deadline and proc.poll() is None, "no save was ever seen"
         time.sleep(0.001)
 
