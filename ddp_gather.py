@@ -39,7 +39,7 @@ def ddp_setup(local_rank, args):
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # binds the group to this GPU for barrier() (not DDP's device_ids)
+        # so that barrier() uses this GPU
         device_id=device if cuda else None,
     )
     # from here on, Ctrl-C and SIGTERM raise KeyboardInterrupt, so that clean-up
@@ -99,9 +99,9 @@ def launch(main, args):
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # Ctrl-C reaches each rank itself, and here raises KeyboardInterrupt;
-        # a SIGTERM to this launcher alone, terminate_ranks passes on to each rank
+        # Ctrl-C: each rank gets its own; here it ends the wait below
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        # SIGTERM to this launcher alone: terminate_ranks passes it to each rank
         signal.signal(signal.SIGTERM, terminate_ranks)
         ranks = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
         # not join=True, which ends the others the moment one rank fails: they

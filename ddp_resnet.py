@@ -53,7 +53,7 @@ def ddp_setup(local_rank, args):
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # binds the group to this GPU for barrier() (not DDP's device_ids)
+        # so that barrier() uses this GPU
         device_id=device if cuda else None,
     )
     # from here on, Ctrl-C and SIGTERM raise KeyboardInterrupt, so that clean-up
@@ -85,8 +85,8 @@ def load_datasets(args):
         train = datasets.ImageFolder(args.data, transform=preprocess)
         classes = train.classes
     else:
-        # no --data: 256 random images, each its own class, 50 times over: the
-        # loss falls as the model learns them
+        # no --data: 256 random images labelled 0..255, repeated 50 times, so
+        # that the model can memorise them (the loss falls)
         images = TensorDataset(torch.randn(256, 3, size, size), torch.arange(256))
         train = ConcatDataset([images] * 50)
         classes = list(range(256))
@@ -185,9 +185,9 @@ def evaluate(model, val_set, device, args):
     correct = seen = 0
     model.eval()
     for images, labels in DataLoader(share, args.batch_size):
-        # model.module: DDP's forward would broadcast the buffers, a collective
-        # that a rank with one batch fewer never joins, and the others wait
         with torch.autocast(device.type, torch.bfloat16, enabled=args.amp):
+            # model.module: DDP's forward would broadcast the buffers, a collective
+            # that a rank with one batch fewer never joins, and the others wait
             logits = model.module(images.to(device))
         correct += (logits.argmax(1) == labels.to(device)).sum().item()
         seen += len(labels)
@@ -245,7 +245,7 @@ def load_model(epoch, model, optimizer, device, args):
     ckpt = torch.load(file, map_location=device, weights_only=True)
     model.module.load_state_dict(ckpt["model_state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_state_dict"])
-    # the load brought back the saved lr: --lr wins (a --resume may change it)
+    # the load restored the checkpoint's lr; --lr wins, so --resume can change it
     for group in optimizer.param_groups:
         group["lr"] = args.lr
 
@@ -275,8 +275,8 @@ def run_training_process_on_given_gpu(local_rank, args):
     epochs = range(first_epoch, args.epochs + 1)
     results = {}
     for epoch in epochs:
-        # the tutorial's lesson (DDP does not need it): each epoch but the first
-        # starts by loading the last checkpoint into every rank
+        # the tutorial's lesson: each epoch after the first starts with every rank
+        # loading the checkpoint that rank 0 saved last
         if epoch > 1:
             load_model(epoch - 1, model, optimizer, device, args)
         loss, rate = train(model, loader, optimizer, device, epoch, steps, args)
@@ -292,14 +292,14 @@ def run_training_process_on_given_gpu(local_rank, args):
         print0(line)
     results["epochs_run"] = len(epochs)
     report(results, steps, device, args)
-    # free the DDP model before its group: on gloo, torch 2.11 hung otherwise
+    # free DDP's state, which holds the group, first: on gloo, torch 2.11 hung
     del model
     dist.destroy_process_group()
 
 
 def decide_first_epoch(device, args):
-    """Epoch 1, or with --resume the one after the newest checkpoint that rank 0
-    sees: nodes may see other folders, and every rank must start alike."""
+    """Epoch 1, or with --resume the one after the newest checkpoint. Rank 0
+    looks and tells every rank: on several nodes the folders may differ."""
     newest = torch.tensor(newest_epoch(args), device=device)
     dist.broadcast(newest, src=0)
     newest = newest.item()
@@ -370,9 +370,9 @@ def launch(main, args):
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # Ctrl-C reaches each rank itself, and here raises KeyboardInterrupt;
-        # a SIGTERM to this launcher alone, terminate_ranks passes on to each rank
+        # Ctrl-C: each rank gets its own; here it ends the wait below
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        # SIGTERM to this launcher alone: terminate_ranks passes it to each rank
         signal.signal(signal.SIGTERM, terminate_ranks)
         ranks = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
         # not join=True, which ends the others the moment one rank fails: they

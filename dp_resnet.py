@@ -34,8 +34,8 @@ def load_datasets(args):
     """The training set and its number of classes."""
     size = args.image_size
     if not args.data:
-        # no --data: 256 random images, each its own class, 50 times over: the
-        # loss falls as the model learns them
+        # no --data: 256 random images labelled 0..255, repeated 50 times, so
+        # that the model can memorise them (the loss falls)
         images = TensorDataset(torch.randn(256, 3, size, size), torch.arange(256))
         return ConcatDataset([images] * 50), 256
     # the tutorial's Resize(256), CenterCrop(224), scaled to --image-size
@@ -166,7 +166,7 @@ def load_model(epoch, net, optimizer, device, args):
     ckpt = torch.load(file, map_location=device, weights_only=True)
     net.load_state_dict(ckpt["model_state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_state_dict"])
-    # the load brought back the saved lr: --lr wins (a --resume may change it)
+    # the load restored the checkpoint's lr; --lr wins, so --resume can change it
     for group in optimizer.param_groups:
         group["lr"] = args.lr
 
