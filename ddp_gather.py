@@ -31,6 +31,8 @@ def ddp_setup(local_rank, args):
     if cuda:
         # before the first collective, or every rank would use cuda:0
         torch.cuda.set_device(device)
+    # Ctrl-C while the ranks meet: end at once, not once init_process_group times out
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     dist.init_process_group(
         # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on CPUs
         "nccl" if cuda else "gloo",

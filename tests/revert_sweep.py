@@ -40,6 +40,12 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         "tests/test_gather.py::test_all_gather_object_rank_order",
     ),
     (
+        "gather: Ctrl-C while the ranks meet",
+        "ddp_gather.py",
+        [("    signal.signal(signal.SIGINT, signal.SIG_DFL)\n", "")],
+        "tests/test_faults.py::test_ctrl_c_while_the_ranks_meet_ends_at_once",
+    ),
+    (
         "fm: every rank all cores",
         "ddp_fashionmnist.py",
         [('os.environ["OMP_NUM_THREADS"] = str(threads)', "pass")],

@@ -377,6 +377,44 @@ def test_ctrl_c_in_the_first_seconds_is_quiet(script, tmp_path):
         assert res.stdout == "", (moment, res.stdout)  # stopped before the start line
 
 
+def listening(port: int) -> bool:
+    """A process listens on this TCP port, over IPv4 or IPv6."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for row in f.read().splitlines()[1:]:
+                local, state = row.split()[1], row.split()[3]
+                if state == "0A" and int(local.rsplit(":", 1)[1], 16) == port:
+                    return True
+    return False
+
+
+def test_ctrl_c_while_the_ranks_meet_ends_at_once():
+    """Ctrl-C while rank 0 waits in init_process_group for a rank still importing torch (held
+    stopped here, as a slow rank): exit 130 within seconds, quietly. Before, rank 0's handler
+    was Python's, which runs only once the rendezvous gives up: the run ended after --timeout
+    (300 s by default)."""
+    proc = start(python("ddp_gather.py", "--cpu"))
+    first, second = sorted(wait_for_ranks(proc, 2, under_torchrun=False))  # rank 0 starts first
+    deadline = time.monotonic() + TIMEOUT
+    while not importing_torch(second):
+        assert time.monotonic() < deadline and proc.poll() is None, "rank 1 never imported torch"
+        time.sleep(0.005)
+    os.kill(second, signal.SIGSTOP)
+    environ = open(f"/proc/{first}/environ", "rb").read().split(b"\0")
+    port = int(next(v for v in environ if v.startswith(b"MASTER_PORT=")).split(b"=")[1])
+    while not listening(port):  # rank 0 hosts the rendezvous: it waits there now
+        assert time.monotonic() < deadline and proc.poll() is None, "rank 0 never waited"
+        time.sleep(0.01)
+    time.sleep(1)
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole group
+    sent = time.monotonic()
+    os.kill(second, signal.SIGCONT)
+    res = finish(proc, timeout=30, check=False)
+    assert time.monotonic() - sent < 15
+    assert res.returncode == 130 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert "done |" not in res.stdout  # the ranks never met
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A tmpfs of 150 MiB: room for one resnet18 checkpoint (90 MB with momentum), not two."""
