@@ -405,7 +405,7 @@ def test_ctrl_c_while_the_ranks_meet_ends_at_once():
     while not listening(port):  # rank 0 hosts the rendezvous: it waits there now
         assert time.monotonic() < deadline and proc.poll() is None, "rank 0 never waited"
         time.sleep(0.01)
-    time.sleep(1)
+    time.sleep(1)  # its store is up; now it blocks, waiting for rank 1
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole group
     sent = time.monotonic()
     os.kill(second, signal.SIGCONT)
