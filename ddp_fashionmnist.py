@@ -18,8 +18,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-# Ctrl-C while torch imports (the first seconds): exit 130 quietly, no traceback
-signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+# Ctrl-C until the training starts: the process ends at once, quietly
+signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
 import torch.distributed as dist
@@ -30,9 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import (
     DataLoader,
     DistributedSampler,
-    Subset,
     TensorDataset,
-    random_split,
 )
 from torchvision import datasets
 
@@ -44,8 +42,6 @@ def ddp_setup(local_rank, args):
     if cuda:
         # before the first collective, or every rank would use cuda:0
         torch.cuda.set_device(device)
-    # Ctrl-C while the ranks meet: end at once, not once init_process_group times out
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
     dist.init_process_group(
         # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on CPUs
         "nccl" if cuda else "gloo",
@@ -54,11 +50,9 @@ def ddp_setup(local_rank, args):
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # so that barrier() uses this GPU
         device_id=device if cuda else None,
     )
-    # from here on, Ctrl-C and SIGTERM raise KeyboardInterrupt, so that clean-up
-    # code runs (a save removes its .tmp)
+    # now Ctrl-C and SIGTERM raise KeyboardInterrupt, so clean-up code runs
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, signal.default_int_handler)
     return device
@@ -73,9 +67,10 @@ def load_datasets(args):
     """The training and the test set, held in memory."""
     if args.synthetic:
         # random data of FashionMNIST's shapes, the same in every rank (main seeds it)
-        images = torch.rand(70000, 1, 28, 28)
-        data = TensorDataset(images, torch.randint(10, (70000,)))
-        return random_split(data, [60000, 10000])
+        return [
+            TensorDataset(torch.rand(n, 1, 28, 28), torch.randint(10, (n,)))
+            for n in (60000, 10000)
+        ]
     sets = [
         datasets.FashionMNIST(args.data, train=is_train, download=True)
         for is_train in (True, False)
@@ -142,21 +137,15 @@ def train(model, train_loader, loss_function, optimizer, device, args):
 
 
 @torch.no_grad()
-def test(model, test_set, device, batch_size):
+def test(model, test_set, device):
     """Accuracy over the whole test set, each image counted once."""
     # every world_size-th image, from this rank's number on: a DistributedSampler
     # would repeat some images to give every rank as many
-    share = Subset(
-        test_set, range(dist.get_rank(), len(test_set), dist.get_world_size())
-    )
-    correct = seen = 0
+    images, labels = test_set[dist.get_rank() :: dist.get_world_size()]
     model.eval()
-    for images, labels in DataLoader(share, batch_size):
-        predicted = model(images.to(device)).argmax(1)
-        correct += (predicted == labels.to(device)).sum().item()
-        seen += len(labels)
+    predicted = model(images.to(device)).argmax(1).cpu()
     # the whole test set's counts, not this rank's share alone
-    counts = torch.tensor([correct, seen], device=device)
+    counts = torch.tensor([(predicted == labels).sum(), len(labels)], device=device)
     dist.all_reduce(counts)
     correct, seen = counts.tolist()
     return dict(test_accuracy=correct / seen, test_correct=correct, test_samples=seen)
@@ -187,7 +176,7 @@ def main(local_rank, args):
     )
     # DDP in train() shares my_net's weights: my_net is trained too
     loss = train(my_net, train_loader, loss_function, optimizer, device, args)
-    results = test(my_net, test_set, device, args.batch_size)
+    results = test(my_net, test_set, device)
     print0(
         f"done | test_accuracy {results['test_accuracy']:.4f}"
         f" ({results['test_samples']} images)"
@@ -210,42 +199,41 @@ def launch(main, args):
     """Run main(local_rank, args) once in each rank."""
     try:
         if os.environ.get("RANK"):
-            # torchrun (or a pod that sets RANK) started this process as one rank
+            # torchrun started this process as one rank
             local_rank = int(os.environ.get("LOCAL_RANK") or 0)
-            # record, optional: torchrun's error report shows this rank's traceback
+            # optional: record puts this rank's error in torchrun's report
             return record(main)(local_rank, args)
         # optional, fixed: each rank gets its share of the cores, not all of them
         if not os.environ.get("OMP_NUM_THREADS"):
             threads = max(1, os.cpu_count() // args.nprocs)
             os.environ["OMP_NUM_THREADS"] = str(threads)
-        # fixed: a free port that the system picks (port 0), not the tutorial's 12355
+        # fixed: a free port that the system picks, not the tutorial's 12355
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # Ctrl-C: each rank gets its own; here it ends the wait below
+        # Ctrl-C reaches every rank; here it ends the wait for them
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        # SIGTERM to this launcher alone: terminate_ranks passes it to each rank
+        # SIGTERM to this launcher alone: terminate_ranks passes it on
         signal.signal(signal.SIGTERM, terminate_ranks)
         ranks = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
         # not join=True, which ends the others the moment one rank fails: they
-        # get 5 s to end on their own (rank 0 to print why), then SIGTERM
+        # get 5 s to end on their own (rank 0 to say why), then SIGTERM
         while not ranks.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: a rank that failed has said why: its exit code, without our
-        # traceback (a rank killed by a signal: torch's error names it)
+        # optional: a rank that exited with a code has said why; pass the code on
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        # optional: Ctrl-C or SIGTERM ends quietly, 130 as a shell gives for Ctrl-C
+        # optional: Ctrl-C or SIGTERM ends quietly, with the shell's code for Ctrl-C
         sys.exit(130)
 
 
 def terminate_ranks(*_):
     """SIGTERM to this launcher: to each rank too, then as on Ctrl-C."""
-    # ignore a second SIGTERM here while the ranks clean up
+    # a second SIGTERM would cut the ranks' clean-up short
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for process in mp.active_children():
         process.terminate()

@@ -13,10 +13,9 @@ import signal
 import socket
 import sys
 from datetime import timedelta
-from pathlib import Path
 
-# Ctrl-C while torch imports (the first seconds): exit 130 quietly, no traceback
-signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+# Ctrl-C until the training starts: the process ends at once, quietly
+signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
 import torch.distributed as dist
@@ -31,8 +30,6 @@ def ddp_setup(local_rank, args):
     if cuda:
         # before the first collective, or every rank would use cuda:0
         torch.cuda.set_device(device)
-    # Ctrl-C while the ranks meet: end at once, not once init_process_group times out
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
     dist.init_process_group(
         # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on CPUs
         "nccl" if cuda else "gloo",
@@ -41,11 +38,9 @@ def ddp_setup(local_rank, args):
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # so that barrier() uses this GPU
         device_id=device if cuda else None,
     )
-    # from here on, Ctrl-C and SIGTERM raise KeyboardInterrupt, so that clean-up
-    # code runs (a save removes its .tmp)
+    # now Ctrl-C and SIGTERM raise KeyboardInterrupt, so clean-up code runs
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, signal.default_int_handler)
     return device
@@ -54,32 +49,30 @@ def ddp_setup(local_rank, args):
 def main(local_rank, args):
     device = ddp_setup(local_rank, args)
     rank = dist.get_rank()
-    world_size = dist.get_world_size()
     tensor = torch.ones(3, device=device) + rank
     data = {
-        # a CPU copy: a CUDA tensor would unpickle in rank 0 onto the sender's GPU
+        # a CPU copy: a CUDA tensor would unpickle onto the sender's GPU
         "tensor": tensor.cpu(),
         # fixed: the tutorial's [1, 2, 3] + rank is a TypeError
         "list": [x + rank for x in [1, 2, 3]],
         "dict": {"rank": rank},
     }
     # room for one object from each rank, filled in rank order
-    outputs = [None] * world_size
+    outputs = [None] * dist.get_world_size()
     dist.all_gather_object(outputs, data)
     # tensors of one shape travel without pickle: for large or per-step data
-    tensors = [torch.empty_like(tensor) for _ in range(world_size)]
+    tensors = [torch.empty_like(tensor) for _ in outputs]
     dist.all_gather(tensors, tensor)
     if rank == 0:
         print(outputs)
         print(f"all_gather: {[t.tolist() for t in tensors]}")
-        print(f"done | gathered {world_size} objects | backend {dist.get_backend()}")
+        print(f"done | gathered {len(outputs)} objects | backend {dist.get_backend()}")
     if rank == 0 and args.metrics_out:
-        results = dict(
-            script=Path(__file__).name, world_size=world_size, gathered=outputs
-        )
-        # JSON has no tensors: json.dumps writes each as its tolist()
+        script = os.path.basename(__file__)
+        results = dict(script=script, world_size=len(outputs), gathered=outputs)
+        # JSON has no tensors: each is written as its tolist()
         text = json.dumps(results, default=torch.Tensor.tolist)
-        Path(args.metrics_out).write_text(text)
+        open(args.metrics_out, "w").write(text)
     dist.destroy_process_group()
 
 
@@ -88,42 +81,41 @@ def launch(main, args):
     """Run main(local_rank, args) once in each rank."""
     try:
         if os.environ.get("RANK"):
-            # torchrun (or a pod that sets RANK) started this process as one rank
+            # torchrun started this process as one rank
             local_rank = int(os.environ.get("LOCAL_RANK") or 0)
-            # record, optional: torchrun's error report shows this rank's traceback
+            # optional: record puts this rank's error in torchrun's report
             return record(main)(local_rank, args)
         # optional, fixed: each rank gets its share of the cores, not all of them
         if not os.environ.get("OMP_NUM_THREADS"):
             threads = max(1, os.cpu_count() // args.nprocs)
             os.environ["OMP_NUM_THREADS"] = str(threads)
-        # fixed: a free port that the system picks (port 0), not the tutorial's 12355
+        # fixed: a free port that the system picks, not the tutorial's 12355
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # Ctrl-C: each rank gets its own; here it ends the wait below
+        # Ctrl-C reaches every rank; here it ends the wait for them
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        # SIGTERM to this launcher alone: terminate_ranks passes it to each rank
+        # SIGTERM to this launcher alone: terminate_ranks passes it on
         signal.signal(signal.SIGTERM, terminate_ranks)
         ranks = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
         # not join=True, which ends the others the moment one rank fails: they
-        # get 5 s to end on their own (rank 0 to print why), then SIGTERM
+        # get 5 s to end on their own (rank 0 to say why), then SIGTERM
         while not ranks.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: a rank that failed has said why: its exit code, without our
-        # traceback (a rank killed by a signal: torch's error names it)
+        # optional: a rank that exited with a code has said why; pass the code on
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        # optional: Ctrl-C or SIGTERM ends quietly, 130 as a shell gives for Ctrl-C
+        # optional: Ctrl-C or SIGTERM ends quietly, with the shell's code for Ctrl-C
         sys.exit(130)
 
 
 def terminate_ranks(*_):
     """SIGTERM to this launcher: to each rank too, then as on Ctrl-C."""
-    # ignore a second SIGTERM here while the ranks clean up
+    # a second SIGTERM would cut the ranks' clean-up short
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for process in mp.active_children():
         process.terminate()

@@ -19,8 +19,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-# Ctrl-C while torch imports (the first seconds): exit 130 quietly, no traceback
-signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+# Ctrl-C until the training starts: the process ends at once, quietly
+signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
 import torch.distributed as dist
@@ -45,8 +45,6 @@ def ddp_setup(local_rank, args):
     if cuda:
         # before the first collective, or every rank would use cuda:0
         torch.cuda.set_device(device)
-    # Ctrl-C while the ranks meet: end at once, not once init_process_group times out
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
     dist.init_process_group(
         # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on CPUs
         "nccl" if cuda else "gloo",
@@ -55,11 +53,9 @@ def ddp_setup(local_rank, args):
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # so that barrier() uses this GPU
         device_id=device if cuda else None,
     )
-    # from here on, Ctrl-C and SIGTERM raise KeyboardInterrupt, so that clean-up
-    # code runs (a save removes its .tmp)
+    # now Ctrl-C and SIGTERM raise KeyboardInterrupt, so clean-up code runs
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, signal.default_int_handler)
     return device
@@ -87,8 +83,7 @@ def load_datasets(args):
         train = datasets.ImageFolder(args.data, transform=preprocess)
         classes = train.classes
     else:
-        # no --data: 256 random images labelled 0..255, repeated 50 times, so
-        # that the model can memorise them (the loss falls)
+        # no --data: 256 random images, each its own class, 50 times over
         images = TensorDataset(torch.randn(256, 3, size, size), torch.arange(256))
         train = ConcatDataset([images] * 50)
         classes = list(range(256))
@@ -107,8 +102,7 @@ def build_model(args, num_classes):
 
 
 def ignore_ctrl_c(worker_id):
-    """Each loader worker ignores Ctrl-C and ends through its loader (one that
-    died of Ctrl-C mid-batch made the training process print a traceback)."""
+    """Loader workers leave Ctrl-C to their rank, which ends them."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
@@ -121,7 +115,7 @@ def prepare_dataloader(dataset, device, args):
         args.batch_size,
         # each rank its own shuffled share of the training set
         sampler=DistributedSampler(dataset, seed=args.seed),
-        # fixed: per rank; the tutorial gave every rank 4 workers per GPU of the node
+        # fixed: per rank; the tutorial gave each rank 4 workers per GPU
         num_workers=args.workers,
         multiprocessing_context="forkserver" if args.workers else None,
         worker_init_fn=ignore_ctrl_c,
@@ -132,40 +126,37 @@ def prepare_dataloader(dataset, device, args):
 
 
 def train(model, dataloader, optimizer, device, epoch, steps, args):
-    """One epoch of `steps` steps; the loss averaged over every rank, and images/s."""
+    """One epoch; the loss averaged over every rank, and images/s."""
     # fixed: without set_epoch every epoch has the same order
     dataloader.sampler.set_epoch(epoch)
-    # seeded by the epoch and the rank: a resumed run draws the random numbers
-    # of an unbroken one, and ends with its weights bit for bit
+    # seeded by the epoch and the rank: a resumed run ends with the weights
+    # of an unbroken one, bit for bit
     torch.manual_seed(args.seed + 1000 * epoch + dist.get_rank())
     global_batch = args.batch_size * dist.get_world_size()
     # summed on the device: .item() at every step would wait for it
     loss_sum = torch.zeros((), device=device)
     began = last_print = time.monotonic()
     for step, (images, labels) in enumerate(dataloader, start=1):
-        # non_blocking: the copy of a pinned batch overlaps the GPU's work
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad()
         # --amp: bf16, which needs no GradScaler
         with torch.autocast(device.type, torch.bfloat16, enabled=args.amp):
             loss = torch.nn.functional.cross_entropy(model(images), labels)
         # DDP averages every rank's gradients here
         loss.backward()
         optimizer.step()
-        loss_sum += loss.detach().float()
+        loss_sum += loss.detach()
         # a line every 10 steps, at the last, and at least every 30 s
         if step % 10 == 0 or step == steps or time.monotonic() - last_print > 30:
-            # .item() waits for the GPU to finish; read the clock after it
+            # .item() waits for the GPU; read the clock after it
             value = loss.item()
-            now = time.monotonic()
-            rate = step * global_batch / (now - began)
+            last_print = time.monotonic()
+            rate = step * global_batch / (last_print - began)
             print0(
                 f"epoch {epoch}/{args.epochs} | step {step}/{steps}"
                 f" | loss {value:.4f} | {rate:.0f} img/s"
             )
-            last_print = now
-        # --max-steps: a shorter epoch
         if step == steps:
             break
     # fixed: the tutorial prints rank 0's loss alone; this is every rank's mean
@@ -180,17 +171,15 @@ def evaluate(model, val_set, device, args):
     # every world_size-th image, from this rank's number on: a DistributedSampler
     # would repeat some images to give every rank as many
     share = Subset(val_set, range(dist.get_rank(), len(val_set), dist.get_world_size()))
-    # each rank's BatchNorm statistics drifted apart in training: rank 0's for
-    # all, as DDP's next forward would copy them
+    # the ranks' BatchNorm statistics drifted apart: rank 0's for all
     for buffer in model.module.buffers():
         dist.broadcast(buffer, src=0)
     correct = seen = 0
     model.eval()
     for images, labels in DataLoader(share, args.batch_size):
-        with torch.autocast(device.type, torch.bfloat16, enabled=args.amp):
-            # model.module: DDP's forward would broadcast the buffers, a collective
-            # that a rank with one batch fewer never joins, and the others wait
-            logits = model.module(images.to(device))
+        # model.module: DDP's forward is a collective, which a rank with
+        # fewer batches would leave the others waiting in
+        logits = model.module(images.to(device))
         correct += (logits.argmax(1) == labels.to(device)).sum().item()
         seen += len(labels)
     model.train()
@@ -210,7 +199,7 @@ def newest_epoch(args):
 
 def save_model(epoch, model, optimizer, args):
     """Atomic: written to a .tmp file, fsynced, then renamed to epoch_N.pt."""
-    file = Path(args.ckpt_dir) / f"epoch_{epoch}.pt"
+    file = f"{args.ckpt_dir}/epoch_{epoch}.pt"
     # fixed: the tutorial's file.touch() left an empty checkpoint if the save failed
     tmp = Path(f"{file}.tmp")
     ckpt = dict(
@@ -222,7 +211,6 @@ def save_model(epoch, model, optimizer, args):
     try:
         with open(tmp, "wb") as f:
             torch.save(ckpt, f)
-            # on the disk before the rename makes it epoch_N.pt
             os.fsync(f.fileno())
         os.replace(tmp, file)
     except RuntimeError as e:
@@ -231,9 +219,9 @@ def save_model(epoch, model, optimizer, args):
             raise KeyboardInterrupt from None
         raise
     finally:
-        # a failure or Ctrl-C leaves no .tmp (after the rename there is none)
+        # a failure or Ctrl-C leaves no .tmp
         tmp.unlink(missing_ok=True)
-    return str(file)
+    return file
 
 
 def load_model(epoch, model, optimizer, device, args):
@@ -241,13 +229,13 @@ def load_model(epoch, model, optimizer, device, args):
     # Wait until rank 0 has saved it. No barrier is needed after the load:
     # each rank only reads, and the next collective keeps the ranks together.
     dist.barrier()
-    file = Path(args.ckpt_dir) / f"epoch_{epoch}.pt"
+    file = f"{args.ckpt_dir}/epoch_{epoch}.pt"
     # fixed: onto this rank's own device; the tutorial maps cuda:0 to cuda:rank,
     # which fails on a CPU. weights_only: the file cannot run code.
     ckpt = torch.load(file, map_location=device, weights_only=True)
     model.module.load_state_dict(ckpt["model_state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_state_dict"])
-    # the load restored the checkpoint's lr; --lr wins, so --resume can change it
+    # the load put the checkpoint's lr back; --lr wins, so --resume can change it
     for group in optimizer.param_groups:
         group["lr"] = args.lr
 
@@ -265,14 +253,12 @@ def run_training_process_on_given_gpu(local_rank, args):
     model = DDP(net)
     params = model.parameters()
     optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9, weight_decay=1e-4)
-    steps = len(loader)
-    if args.max_steps:
-        steps = min(steps, args.max_steps)
+    steps = min(len(loader), args.max_steps or len(loader))
     # fewer images than one global batch: drop_last leaves no step
     if steps == 0:
         fail(f"{len(train_set)} images: too few for --batch-size {args.batch_size}")
     first_epoch = decide_first_epoch(device, args)
-    print_start(model, steps, len(train_set), first_epoch, device, args)
+    print_start(net, steps, len(train_set), first_epoch, device, args)
     # fixed: the tutorial's range(1, 30) ran 29 epochs
     epochs = range(first_epoch, args.epochs + 1)
     results = {}
@@ -307,18 +293,18 @@ def decide_first_epoch(device, args):
     newest = newest.item()
     # a fresh run into a used folder: refused, or --resume would mix two runs
     if newest and not args.resume:
-        last = Path(args.ckpt_dir) / f"epoch_{newest}.pt"
+        last = f"{args.ckpt_dir}/epoch_{newest}.pt"
         fail(f"{last} exists: add --resume to go on, or use another --ckpt-dir")
     return newest + 1
 
 
-def print_start(model, steps, num_images, first_epoch, device, args):
+def print_start(net, steps, num_images, first_epoch, device, args):
     """What runs where: the start line."""
     world_size = dist.get_world_size()
     line = (
         f"start | {Path(__file__).name} | world_size {world_size}"
         f" | backend {dist.get_backend()} | device {device}"
-        f" | model {type(model.module).__name__}"
+        f" | model {type(net).__name__}"
         f" | data {args.data or 'synthetic'} ({num_images} images)"
         f" | batch {args.batch_size} x {world_size} | lr {args.lr} | steps {steps}"
         f" | epochs {first_epoch}-{args.epochs} | ckpt_dir {args.ckpt_dir}"
@@ -359,42 +345,41 @@ def launch(main, args):
     """Run main(local_rank, args) once in each rank."""
     try:
         if os.environ.get("RANK"):
-            # torchrun (or a pod that sets RANK) started this process as one rank
+            # torchrun started this process as one rank
             local_rank = int(os.environ.get("LOCAL_RANK") or 0)
-            # record, optional: torchrun's error report shows this rank's traceback
+            # optional: record puts this rank's error in torchrun's report
             return record(main)(local_rank, args)
         # optional, fixed: each rank gets its share of the cores, not all of them
         if not os.environ.get("OMP_NUM_THREADS"):
             threads = max(1, os.cpu_count() // args.nprocs)
             os.environ["OMP_NUM_THREADS"] = str(threads)
-        # fixed: a free port that the system picks (port 0), not the tutorial's 12355
+        # fixed: a free port that the system picks, not the tutorial's 12355
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # Ctrl-C: each rank gets its own; here it ends the wait below
+        # Ctrl-C reaches every rank; here it ends the wait for them
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        # SIGTERM to this launcher alone: terminate_ranks passes it to each rank
+        # SIGTERM to this launcher alone: terminate_ranks passes it on
         signal.signal(signal.SIGTERM, terminate_ranks)
         ranks = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
         # not join=True, which ends the others the moment one rank fails: they
-        # get 5 s to end on their own (rank 0 to print why), then SIGTERM
+        # get 5 s to end on their own (rank 0 to say why), then SIGTERM
         while not ranks.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: a rank that failed has said why: its exit code, without our
-        # traceback (a rank killed by a signal: torch's error names it)
+        # optional: a rank that exited with a code has said why; pass the code on
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)
     except KeyboardInterrupt:
-        # optional: Ctrl-C or SIGTERM ends quietly, 130 as a shell gives for Ctrl-C
+        # optional: Ctrl-C or SIGTERM ends quietly, with the shell's code for Ctrl-C
         sys.exit(130)
 
 
 def terminate_ranks(*_):
     """SIGTERM to this launcher: to each rank too, then as on Ctrl-C."""
-    # ignore a second SIGTERM here while the ranks clean up
+    # a second SIGTERM would cut the ranks' clean-up short
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     for process in mp.active_children():
         process.terminate()

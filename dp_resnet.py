@@ -18,11 +18,10 @@ import signal
 import sys
 import tempfile
 import time
-from itertools import islice
 from pathlib import Path
 
-# Ctrl-C while torch imports (the first seconds): exit 130 quietly, no traceback
-signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+# Ctrl-C until the training starts: the process ends at once, quietly
+signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
 import torchvision.transforms as T
@@ -58,8 +57,7 @@ def build_model(args, num_classes):
 
 
 def ignore_ctrl_c(worker_id):
-    """Each loader worker ignores Ctrl-C and ends through its loader (one that
-    died of Ctrl-C mid-batch made the training process print a traceback)."""
+    """Loader workers leave Ctrl-C to their rank, which ends them."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
@@ -101,16 +99,16 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
     # summed on the device: .item() at every step would wait for it
     loss_sum = torch.zeros((), device=device)
     began = last_print = time.monotonic()
-    for step, (images, labels) in enumerate(islice(dataloader, steps), start=1):
+    for step, (images, labels) in enumerate(dataloader, start=1):
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad()
         # --amp: autocast computes the loss in fp32 from the bf16 logits
         with torch.autocast(device.type, torch.bfloat16, enabled=args.amp):
             loss = torch.nn.functional.cross_entropy(model(images), labels)
         loss.backward()
         optimizer.step()
-        loss_sum += loss.detach().float()
+        loss_sum += loss.detach()
         # a line every 10 steps, at the last, and at least every 30 s
         if step % 10 == 0 or step == steps or time.monotonic() - last_print > 30:
             # .item() waits for the GPU to finish; read the clock after it
@@ -121,6 +119,8 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
                 f"epoch {epoch}/{args.epochs} | step {step}/{steps}"
                 f" | loss {value:.4f} | {rate:.0f} img/s"
             )
+        if step == steps:
+            break
     rate = steps * args.batch_size / (time.monotonic() - began)
     return loss_sum.item() / steps, rate
 
@@ -134,7 +134,7 @@ def newest_epoch(args):
 
 def save_model(epoch, net, optimizer, args):
     """Atomic: written to a .tmp file, fsynced, then renamed to epoch_N.pt."""
-    file = Path(args.ckpt_dir) / f"epoch_{epoch}.pt"
+    file = f"{args.ckpt_dir}/epoch_{epoch}.pt"
     # fixed: the tutorial's file.touch() left an empty checkpoint if the save failed
     tmp = Path(f"{file}.tmp")
     ckpt = dict(
@@ -157,11 +157,11 @@ def save_model(epoch, net, optimizer, args):
     finally:
         # a failure or Ctrl-C leaves no .tmp (after the rename there is none)
         tmp.unlink(missing_ok=True)
-    return str(file)
+    return file
 
 
 def load_model(epoch, net, optimizer, device, args):
-    file = Path(args.ckpt_dir) / f"epoch_{epoch}.pt"
+    file = f"{args.ckpt_dir}/epoch_{epoch}.pt"
     # weights_only: the file cannot run code
     ckpt = torch.load(file, map_location=device, weights_only=True)
     net.load_state_dict(ckpt["model_state_dict"])
@@ -185,9 +185,7 @@ def run_training(gpus, train_set, num_classes, args):
         model = torch.nn.DataParallel(model)
     params = model.parameters()
     optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9, weight_decay=1e-4)
-    steps = len(dataloader)
-    if args.max_steps:
-        steps = min(steps, args.max_steps)
+    steps = min(len(dataloader), args.max_steps or len(dataloader))
     # epoch 1, or with --resume the one after the newest checkpoint (a used
     # folder without --resume was refused)
     first_epoch = newest_epoch(args) + 1
@@ -271,7 +269,7 @@ if __name__ == "__main__":
     newest = newest_epoch(args)
     # a fresh run into a used folder: refused, or --resume would mix two runs
     if newest and not args.resume:
-        last = Path(args.ckpt_dir) / f"epoch_{newest}.pt"
+        last = f"{args.ckpt_dir}/epoch_{newest}.pt"
         sys.exit(
             f"error: {last} exists: add --resume to go on, or use another --ckpt-dir"
         )

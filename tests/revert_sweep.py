@@ -42,7 +42,7 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
     (
         "gather: Ctrl-C while the ranks meet",
         "ddp_gather.py",
-        [("    signal.signal(signal.SIGINT, signal.SIG_DFL)\n", "")],
+        [("signal.signal(signal.SIGINT, signal.SIG_DFL)\n", "")],
         "tests/test_faults.py::test_ctrl_c_while_the_ranks_meet_ends_at_once",
     ),
     (
@@ -102,8 +102,8 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         "ddp_fashionmnist.py",
         [
             (
-                "DataLoader(share, batch_size)",
-                "DataLoader(test_set, batch_size, sampler=DistributedSampler(test_set))",
+                "test_set[dist.get_rank() :: dist.get_world_size()]",
+                "test_set[list(DistributedSampler(test_set, shuffle=False))]",
             )
         ],
         "tests/test_multinode.py::test_processes_with_rank_but_no_local_rank_join_as_that_rank",
