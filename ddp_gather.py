@@ -14,7 +14,8 @@ import socket
 import sys
 from datetime import timedelta
 
-# Ctrl-C until the training starts: the process ends at once, quietly
+# Until the training starts, Ctrl-C ends the process at once, quietly; later
+# it raises KeyboardInterrupt, so that clean-up code runs
 signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
@@ -33,14 +34,17 @@ def ddp_setup(local_rank, args):
     dist.init_process_group(
         # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on CPUs
         "nccl" if cuda else "gloo",
-        # torchrun gives RANK and WORLD_SIZE; mp.spawn local_rank and --nprocs
+        # torchrun gives RANK and WORLD_SIZE; mp.spawn, on one machine, gives
+        # local_rank as the rank, and the world size is --nprocs
         rank=int(os.environ.get("RANK") or local_rank),
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
+        # binds the group to this GPU, which barrier() then uses
         device_id=device if cuda else None,
     )
-    # now Ctrl-C and SIGTERM raise KeyboardInterrupt, so clean-up code runs
+    # the group is up: now Ctrl-C and SIGTERM raise KeyboardInterrupt, so that
+    # clean-up code runs (a save in progress removes its .tmp)
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, signal.default_int_handler)
     return device
@@ -83,7 +87,7 @@ def launch(main, args):
         if os.environ.get("RANK"):
             # torchrun started this process as one rank
             local_rank = int(os.environ.get("LOCAL_RANK") or 0)
-            # optional: record puts this rank's error in torchrun's report
+            # optional: record adds this rank's traceback to torchrun's report
             return record(main)(local_rank, args)
         # optional, fixed: each rank gets its share of the cores, not all of them
         if not os.environ.get("OMP_NUM_THREADS"):
@@ -99,12 +103,13 @@ def launch(main, args):
         # SIGTERM to this launcher alone: terminate_ranks passes it on
         signal.signal(signal.SIGTERM, terminate_ranks)
         ranks = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-        # not join=True, which ends the others the moment one rank fails: they
-        # get 5 s to end on their own (rank 0 to say why), then SIGTERM
+        # when a rank fails, the others get 5 s to end on their own (rank 0 to
+        # say why) before torch ends them; join=True would end them at once
         while not ranks.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: a rank that exited with a code has said why; pass the code on
+        # optional: a rank that exited with a code has said why: pass the code
+        # on; a rank killed by a signal (a negative code): torch's error names it
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)

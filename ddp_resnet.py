@@ -19,7 +19,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-# Ctrl-C until the training starts: the process ends at once, quietly
+# Until the training starts, Ctrl-C ends the process at once, quietly; later
+# it raises KeyboardInterrupt, so that clean-up code runs
 signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
@@ -48,14 +49,17 @@ def ddp_setup(local_rank, args):
     dist.init_process_group(
         # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on CPUs
         "nccl" if cuda else "gloo",
-        # torchrun gives RANK and WORLD_SIZE; mp.spawn local_rank and --nprocs
+        # torchrun gives RANK and WORLD_SIZE; mp.spawn, on one machine, gives
+        # local_rank as the rank, and the world size is --nprocs
         rank=int(os.environ.get("RANK") or local_rank),
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
+        # binds the group to this GPU, which barrier() then uses
         device_id=device if cuda else None,
     )
-    # now Ctrl-C and SIGTERM raise KeyboardInterrupt, so clean-up code runs
+    # the group is up: now Ctrl-C and SIGTERM raise KeyboardInterrupt, so that
+    # clean-up code runs (a save in progress removes its .tmp)
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, signal.default_int_handler)
     return device
@@ -64,6 +68,13 @@ def ddp_setup(local_rank, args):
 def print0(*args, **kwargs):
     if dist.get_rank() == 0:
         print(*args, **kwargs, flush=True)
+
+
+def fail(message):
+    """Exit 1, rank 0 saying why. Only where every rank decides alike: a rank
+    that went on would wait for the others until --timeout."""
+    print0(f"error: {message}", file=sys.stderr)
+    sys.exit(1)
 
 
 def load_datasets(args):
@@ -102,7 +113,7 @@ def build_model(args, num_classes):
 
 
 def ignore_ctrl_c(worker_id):
-    """Loader workers leave Ctrl-C to their rank, which ends them."""
+    """Loader workers leave Ctrl-C to the training process, which ends them."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
@@ -129,7 +140,8 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
     """One epoch; the loss averaged over every rank, and images/s."""
     # fixed: without set_epoch every epoch has the same order
     dataloader.sampler.set_epoch(epoch)
-    # seeded by the epoch and the rank: a resumed run ends with the weights
+    # the loader workers' random augmentation and the model's dropout draw from
+    # this seed: by the epoch and the rank, a resumed run ends with the weights
     # of an unbroken one, bit for bit
     torch.manual_seed(args.seed + 1000 * epoch + dist.get_rank())
     global_batch = args.batch_size * dist.get_world_size()
@@ -157,6 +169,7 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
                 f"epoch {epoch}/{args.epochs} | step {step}/{steps}"
                 f" | loss {value:.4f} | {rate:.0f} img/s"
             )
+        # --max-steps: a shorter epoch
         if step == steps:
             break
     # fixed: the tutorial prints rank 0's loss alone; this is every rank's mean
@@ -170,15 +183,16 @@ def evaluate(model, val_set, device, args):
     """Top-1 accuracy over the validation set, each image counted once."""
     # every world_size-th image, from this rank's number on: a DistributedSampler
     # would repeat some images to give every rank as many
-    share = Subset(val_set, range(dist.get_rank(), len(val_set), dist.get_world_size()))
-    # the ranks' BatchNorm statistics drifted apart: rank 0's for all
+    share = range(dist.get_rank(), len(val_set), dist.get_world_size())
+    # DDP copies rank 0's buffers at each training forward, so the last step left
+    # each rank's BatchNorm statistics its own: rank 0's for all
     for buffer in model.module.buffers():
         dist.broadcast(buffer, src=0)
     correct = seen = 0
     model.eval()
-    for images, labels in DataLoader(share, args.batch_size):
-        # model.module: DDP's forward is a collective, which a rank with
-        # fewer batches would leave the others waiting in
+    for images, labels in DataLoader(Subset(val_set, share), args.batch_size):
+        # the bare model: the ranks may have different numbers of batches, and
+        # DDP's forward would wait for every rank
         logits = model.module(images.to(device))
         correct += (logits.argmax(1) == labels.to(device)).sum().item()
         seen += len(labels)
@@ -235,14 +249,16 @@ def load_model(epoch, model, optimizer, device, args):
     ckpt = torch.load(file, map_location=device, weights_only=True)
     model.module.load_state_dict(ckpt["model_state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_state_dict"])
-    # the load put the checkpoint's lr back; --lr wins, so --resume can change it
+    # each load puts the checkpoint's lr back: --lr wins, so that --resume can
+    # change it
     for group in optimizer.param_groups:
         group["lr"] = args.lr
 
 
 def run_training_process_on_given_gpu(local_rank, args):
     device = ddp_setup(local_rank, args)
-    # --seed: the same synthetic images in every rank, the same weights every run
+    # --seed: the same synthetic images in every rank (the sampler splits them
+    # by index), and the same initial weights every run
     torch.manual_seed(args.seed)
     train_set, val_set, num_classes = load_datasets(args)
     loader = prepare_dataloader(train_set, device, args)
@@ -280,14 +296,14 @@ def run_training_process_on_given_gpu(local_rank, args):
         print0(line)
     results["epochs_run"] = len(epochs)
     report(results, steps, device, args)
-    # free DDP's state, which holds the group, first: on gloo, torch 2.11 hung
+    # DDP holds the group: free it first (torch 2.11 on gloo hung at exit)
     del model
     dist.destroy_process_group()
 
 
 def decide_first_epoch(device, args):
-    """Epoch 1, or with --resume the one after the newest checkpoint. Rank 0
-    looks and tells every rank: on several nodes the folders may differ."""
+    """Epoch 1, or with --resume the one after the newest checkpoint, as rank 0
+    sees --ckpt-dir: every rank starts at the same epoch."""
     newest = torch.tensor(newest_epoch(args), device=device)
     dist.broadcast(newest, src=0)
     newest = newest.item()
@@ -323,21 +339,15 @@ def report(results, steps, device, args):
         f" | checkpoint {results.get('checkpoint')}"
     )
     if dist.get_rank() == 0 and args.metrics_out:
-        results.update(
+        results = dict(
             script=Path(__file__).name,
             world_size=dist.get_world_size(),
             backend=dist.get_backend(),
             device=device.type,
             steps=steps,
+            **results,
         )
         Path(args.metrics_out).write_text(json.dumps(results, indent=1))
-
-
-def fail(message):
-    """Exit 1, rank 0 saying why. Only where every rank decides alike: a rank
-    that went on would wait for the others until --timeout."""
-    print0(f"error: {message}", file=sys.stderr)
-    sys.exit(1)
 
 
 # --- launching (copy it whole; a part marked optional may go) ---
@@ -347,7 +357,7 @@ def launch(main, args):
         if os.environ.get("RANK"):
             # torchrun started this process as one rank
             local_rank = int(os.environ.get("LOCAL_RANK") or 0)
-            # optional: record puts this rank's error in torchrun's report
+            # optional: record adds this rank's traceback to torchrun's report
             return record(main)(local_rank, args)
         # optional, fixed: each rank gets its share of the cores, not all of them
         if not os.environ.get("OMP_NUM_THREADS"):
@@ -363,12 +373,13 @@ def launch(main, args):
         # SIGTERM to this launcher alone: terminate_ranks passes it on
         signal.signal(signal.SIGTERM, terminate_ranks)
         ranks = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-        # not join=True, which ends the others the moment one rank fails: they
-        # get 5 s to end on their own (rank 0 to say why), then SIGTERM
+        # when a rank fails, the others get 5 s to end on their own (rank 0 to
+        # say why) before torch ends them; join=True would end them at once
         while not ranks.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: a rank that exited with a code has said why; pass the code on
+        # optional: a rank that exited with a code has said why: pass the code
+        # on; a rank killed by a signal (a negative code): torch's error names it
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)

@@ -20,7 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-# Ctrl-C until the training starts: the process ends at once, quietly
+# Until the training starts, Ctrl-C ends the process at once, quietly; later
+# it raises KeyboardInterrupt, so that clean-up code runs
 signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
@@ -57,7 +58,7 @@ def build_model(args, num_classes):
 
 
 def ignore_ctrl_c(worker_id):
-    """Loader workers leave Ctrl-C to their rank, which ends them."""
+    """Loader workers leave Ctrl-C to the training process, which ends them."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
@@ -119,6 +120,7 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
                 f"epoch {epoch}/{args.epochs} | step {step}/{steps}"
                 f" | loss {value:.4f} | {rate:.0f} img/s"
             )
+        # --max-steps: a shorter epoch
         if step == steps:
             break
     rate = steps * args.batch_size / (time.monotonic() - began)
