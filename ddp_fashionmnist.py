@@ -7,7 +7,7 @@ Rank 0 prints `start | ...`, `epoch 10/10 | loss 0.4578 | 28126 img/s` and
 `done | test_accuracy ...`. --synthetic trains on random data, with no download.
 """
 
-# fixed: the tutorial also imports mlflow, which it never uses
+# fixed: no mlflow here; the tutorial imports it and never uses it
 import argparse
 import json
 import os
@@ -18,8 +18,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-# Until the training starts, Ctrl-C ends the process at once, quietly; later
-# it raises KeyboardInterrupt, so that clean-up code runs
+# Ctrl-C ends this process at once, quietly, until ddp_setup has joined the group
+# (a spawned rank runs this line too); then it raises KeyboardInterrupt
 signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
@@ -42,17 +42,16 @@ def ddp_setup(local_rank, args):
     dist.init_process_group(
         # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on CPUs
         "nccl" if cuda else "gloo",
-        # torchrun gives RANK and WORLD_SIZE; mp.spawn, on one machine, gives
-        # local_rank as the rank, and the world size is --nprocs
+        # torchrun sets RANK and WORLD_SIZE; spawned, local_rank is the rank
         rank=int(os.environ.get("RANK") or local_rank),
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # binds the group to this GPU, which barrier() then uses
+        # binds the group to this GPU: NCCL's barrier() uses it, not a guess
         device_id=device if cuda else None,
     )
     # the group is up: now Ctrl-C and SIGTERM raise KeyboardInterrupt, so that
-    # clean-up code runs (a save in progress removes its .tmp)
+    # clean-up code (a finally: block) runs before the rank ends
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, signal.default_int_handler)
     return device
@@ -75,8 +74,8 @@ def load_datasets(args):
         datasets.FashionMNIST(args.data, train=is_train, download=True)
         for is_train in (True, False)
     ]
-    # fixed: the tutorial's ToTensor() and then / 255 scaled twice; here the
-    # images are scaled once, into [0, 1]
+    # the raw uint8 images as [N, 1, 28, 28] floats in [0, 1]. fixed: the
+    # tutorial's ToTensor() and then / 255 scaled them twice
     return [TensorDataset(s.data.unsqueeze(1) / 255, s.targets) for s in sets]
 
 
@@ -107,13 +106,13 @@ class SeqNet(nn.Module):
 
 def train(model, train_loader, loss_function, optimizer, device, args):
     """The tutorial's loop; returns the last epoch's mean loss per image."""
-    # backward() now averages the gradients of every rank
+    # backward() now averages every rank's gradients (DDP finds the device)
     model = DDP(model)
     for epoch in range(1, args.epochs + 1):
         # fixed: without set_epoch every epoch has the same order
         train_loader.sampler.set_epoch(epoch)
         model.train()
-        # the loss summed on the device (.item() each step would wait for it)
+        # summed on the device, where all_reduce needs it (no .item() a step)
         running_loss = torch.zeros((), device=device)
         began = time.monotonic()
         for images, labels in train_loader:
@@ -139,8 +138,8 @@ def train(model, train_loader, loss_function, optimizer, device, args):
 @torch.no_grad()
 def test(model, test_set, device):
     """Accuracy over the whole test set, each image counted once."""
-    # every world_size-th image, from this rank's number on: a DistributedSampler
-    # would repeat some images to give every rank as many
+    # this rank's share (a TensorDataset slice): every world_size-th image; a
+    # DistributedSampler would repeat some to give every rank as many
     images, labels = test_set[dist.get_rank() :: dist.get_world_size()]
     model.eval()
     predicted = model(images.to(device)).argmax(1).cpu()
@@ -174,27 +173,29 @@ def main(local_rank, args):
         f" | data {data_name} ({len(train_set)} images)"
         f" | batch {args.batch_size} x {world_size} | epochs {args.epochs}"
     )
-    # DDP in train() shares my_net's weights: my_net is trained too
+    # train() wraps my_net in DDP, which trains my_net's weights: test() scores it
     loss = train(my_net, train_loader, loss_function, optimizer, device, args)
     results = test(my_net, test_set, device)
     print0(
         f"done | test_accuracy {results['test_accuracy']:.4f}"
         f" ({results['test_samples']} images)"
     )
+    # --metrics-out: the results as JSON, for run_all.sh's table or your own
     if dist.get_rank() == 0 and args.metrics_out:
-        results.update(
+        results = dict(
             script=Path(__file__).name,
             world_size=world_size,
             backend=dist.get_backend(),
             device=device.type,
             data=data_name,
             final_loss=loss,
+            **results,
         )
         Path(args.metrics_out).write_text(json.dumps(results, indent=1))
     dist.destroy_process_group()
 
 
-# --- launching (copy it whole; a part marked optional may go) ---
+# --- launching: a copy needs each line, but for those marked optional ---
 def launch(main, args):
     """Run main(local_rank, args) once in each rank."""
     try:
@@ -203,7 +204,7 @@ def launch(main, args):
             local_rank = int(os.environ.get("LOCAL_RANK") or 0)
             # optional: record adds this rank's traceback to torchrun's report
             return record(main)(local_rank, args)
-        # optional, fixed: each rank gets its share of the cores, not all of them
+        # optional, fixed: each spawned rank gets its share of the cores, not all
         if not os.environ.get("OMP_NUM_THREADS"):
             threads = max(1, os.cpu_count() // args.nprocs)
             os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -212,18 +213,18 @@ def launch(main, args):
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # Ctrl-C reaches every rank; here it ends the wait for them
+        # Ctrl-C reaches each rank too; here it ends the wait below
         signal.signal(signal.SIGINT, signal.default_int_handler)
         # SIGTERM to this launcher alone: terminate_ranks passes it on
         signal.signal(signal.SIGTERM, terminate_ranks)
-        ranks = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-        # when a rank fails, the others get 5 s to end on their own (rank 0 to
-        # say why) before torch ends them; join=True would end them at once
-        while not ranks.join(grace_period=5):
+        processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
+        # join() returns as each rank ends, True once all have; when one fails,
+        # the others get 5 s to end on their own (rank 0 to print why), not 0 s
+        while not processes.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: a rank that exited with a code has said why: pass the code
-        # on; a rank killed by a signal (a negative code): torch's error names it
+        # optional: a rank that failed has printed why: exit with its code. A
+        # rank killed by a signal has a negative one: torch's error names it.
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)

@@ -13,9 +13,10 @@ import signal
 import socket
 import sys
 from datetime import timedelta
+from pathlib import Path
 
-# Until the training starts, Ctrl-C ends the process at once, quietly; later
-# it raises KeyboardInterrupt, so that clean-up code runs
+# Ctrl-C ends this process at once, quietly, until ddp_setup has joined the group
+# (a spawned rank runs this line too); then it raises KeyboardInterrupt
 signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
@@ -34,17 +35,16 @@ def ddp_setup(local_rank, args):
     dist.init_process_group(
         # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on CPUs
         "nccl" if cuda else "gloo",
-        # torchrun gives RANK and WORLD_SIZE; mp.spawn, on one machine, gives
-        # local_rank as the rank, and the world size is --nprocs
+        # torchrun sets RANK and WORLD_SIZE; spawned, local_rank is the rank
         rank=int(os.environ.get("RANK") or local_rank),
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # binds the group to this GPU, which barrier() then uses
+        # binds the group to this GPU: NCCL's barrier() uses it, not a guess
         device_id=device if cuda else None,
     )
     # the group is up: now Ctrl-C and SIGTERM raise KeyboardInterrupt, so that
-    # clean-up code runs (a save in progress removes its .tmp)
+    # clean-up code (a finally: block) runs before the rank ends
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, signal.default_int_handler)
     return device
@@ -53,34 +53,38 @@ def ddp_setup(local_rank, args):
 def main(local_rank, args):
     device = ddp_setup(local_rank, args)
     rank = dist.get_rank()
+    world_size = dist.get_world_size()
     tensor = torch.ones(3, device=device) + rank
     data = {
-        # a CPU copy: a CUDA tensor would unpickle onto the sender's GPU
+        # fixed: a CPU copy; the tutorial's CUDA tensor would unpickle in rank 0
+        # onto the GPU of the rank that sent it
         "tensor": tensor.cpu(),
         # fixed: the tutorial's [1, 2, 3] + rank is a TypeError
         "list": [x + rank for x in [1, 2, 3]],
         "dict": {"rank": rank},
     }
     # room for one object from each rank, filled in rank order
-    outputs = [None] * dist.get_world_size()
+    outputs = [None] * world_size
     dist.all_gather_object(outputs, data)
     # tensors of one shape travel without pickle: for large or per-step data
-    tensors = [torch.empty_like(tensor) for _ in outputs]
+    tensors = [torch.empty_like(tensor) for _ in range(world_size)]
     dist.all_gather(tensors, tensor)
     if rank == 0:
         print(outputs)
         print(f"all_gather: {[t.tolist() for t in tensors]}")
-        print(f"done | gathered {len(outputs)} objects | backend {dist.get_backend()}")
+        print(f"done | gathered {world_size} objects | backend {dist.get_backend()}")
+    # --metrics-out: the results as JSON, for run_all.sh's table or your own
     if rank == 0 and args.metrics_out:
-        script = os.path.basename(__file__)
-        results = dict(script=script, world_size=len(outputs), gathered=outputs)
+        results = dict(
+            script=Path(__file__).name, world_size=world_size, gathered=outputs
+        )
         # JSON has no tensors: each is written as its tolist()
         text = json.dumps(results, default=torch.Tensor.tolist)
-        open(args.metrics_out, "w").write(text)
+        Path(args.metrics_out).write_text(text)
     dist.destroy_process_group()
 
 
-# --- launching (copy it whole; a part marked optional may go) ---
+# --- launching: a copy needs each line, but for those marked optional ---
 def launch(main, args):
     """Run main(local_rank, args) once in each rank."""
     try:
@@ -89,7 +93,7 @@ def launch(main, args):
             local_rank = int(os.environ.get("LOCAL_RANK") or 0)
             # optional: record adds this rank's traceback to torchrun's report
             return record(main)(local_rank, args)
-        # optional, fixed: each rank gets its share of the cores, not all of them
+        # optional, fixed: each spawned rank gets its share of the cores, not all
         if not os.environ.get("OMP_NUM_THREADS"):
             threads = max(1, os.cpu_count() // args.nprocs)
             os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -98,18 +102,18 @@ def launch(main, args):
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # Ctrl-C reaches every rank; here it ends the wait for them
+        # Ctrl-C reaches each rank too; here it ends the wait below
         signal.signal(signal.SIGINT, signal.default_int_handler)
         # SIGTERM to this launcher alone: terminate_ranks passes it on
         signal.signal(signal.SIGTERM, terminate_ranks)
-        ranks = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-        # when a rank fails, the others get 5 s to end on their own (rank 0 to
-        # say why) before torch ends them; join=True would end them at once
-        while not ranks.join(grace_period=5):
+        processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
+        # join() returns as each rank ends, True once all have; when one fails,
+        # the others get 5 s to end on their own (rank 0 to print why), not 0 s
+        while not processes.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: a rank that exited with a code has said why: pass the code
-        # on; a rank killed by a signal (a negative code): torch's error names it
+        # optional: a rank that failed has printed why: exit with its code. A
+        # rank killed by a signal has a negative one: torch's error names it.
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)

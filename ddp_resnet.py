@@ -19,8 +19,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-# Until the training starts, Ctrl-C ends the process at once, quietly; later
-# it raises KeyboardInterrupt, so that clean-up code runs
+# Ctrl-C ends this process at once, quietly, until ddp_setup has joined the group
+# (a spawned rank runs this line too); then it raises KeyboardInterrupt
 signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
@@ -49,17 +49,16 @@ def ddp_setup(local_rank, args):
     dist.init_process_group(
         # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on CPUs
         "nccl" if cuda else "gloo",
-        # torchrun gives RANK and WORLD_SIZE; mp.spawn, on one machine, gives
-        # local_rank as the rank, and the world size is --nprocs
+        # torchrun sets RANK and WORLD_SIZE; spawned, local_rank is the rank
         rank=int(os.environ.get("RANK") or local_rank),
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # binds the group to this GPU, which barrier() then uses
+        # binds the group to this GPU: NCCL's barrier() uses it, not a guess
         device_id=device if cuda else None,
     )
     # the group is up: now Ctrl-C and SIGTERM raise KeyboardInterrupt, so that
-    # clean-up code runs (a save in progress removes its .tmp)
+    # clean-up code (a finally: block) runs before the rank ends
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, signal.default_int_handler)
     return device
@@ -71,8 +70,8 @@ def print0(*args, **kwargs):
 
 
 def fail(message):
-    """Exit 1, rank 0 saying why. Only where every rank decides alike: a rank
-    that went on would wait for the others until --timeout."""
+    """Exit 1 in every rank, rank 0 saying why. Only where every rank takes the
+    same branch: the others would wait in their next collective until --timeout."""
     print0(f"error: {message}", file=sys.stderr)
     sys.exit(1)
 
@@ -94,7 +93,8 @@ def load_datasets(args):
         train = datasets.ImageFolder(args.data, transform=preprocess)
         classes = train.classes
     else:
-        # no --data: 256 random images, each its own class, 50 times over
+        # no --data: 256 random images, each its own class, 50 times over: a
+        # task the model can learn (the loss falls), 12,800 images an epoch
         images = TensorDataset(torch.randn(256, 3, size, size), torch.arange(256))
         train = ConcatDataset([images] * 50)
         classes = list(range(256))
@@ -140,9 +140,8 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
     """One epoch; the loss averaged over every rank, and images/s."""
     # fixed: without set_epoch every epoch has the same order
     dataloader.sampler.set_epoch(epoch)
-    # the loader workers' random augmentation and the model's dropout draw from
-    # this seed: by the epoch and the rank, a resumed run ends with the weights
-    # of an unbroken one, bit for bit
+    # DDP keeps the weights equal; this seed drives your augmentation and dropout:
+    # by epoch and rank, a resumed run ends with an unbroken run's weights
     torch.manual_seed(args.seed + 1000 * epoch + dist.get_rank())
     global_batch = args.batch_size * dist.get_world_size()
     # summed on the device: .item() at every step would wait for it
@@ -163,12 +162,13 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
         if step % 10 == 0 or step == steps or time.monotonic() - last_print > 30:
             # .item() waits for the GPU; read the clock after it
             value = loss.item()
-            last_print = time.monotonic()
-            rate = step * global_batch / (last_print - began)
+            now = time.monotonic()
+            rate = step * global_batch / (now - began)
             print0(
                 f"epoch {epoch}/{args.epochs} | step {step}/{steps}"
                 f" | loss {value:.4f} | {rate:.0f} img/s"
             )
+            last_print = now
         # --max-steps: a shorter epoch
         if step == steps:
             break
@@ -181,16 +181,16 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
 @torch.no_grad()
 def evaluate(model, val_set, device, args):
     """Top-1 accuracy over the validation set, each image counted once."""
-    # every world_size-th image, from this rank's number on: a DistributedSampler
-    # would repeat some images to give every rank as many
-    share = range(dist.get_rank(), len(val_set), dist.get_world_size())
-    # DDP copies rank 0's buffers at each training forward, so the last step left
-    # each rank's BatchNorm statistics its own: rank 0's for all
+    # this rank's share, every world_size-th image from its rank on: a
+    # DistributedSampler would repeat some images to give every rank as many
+    share = Subset(val_set, range(dist.get_rank(), len(val_set), dist.get_world_size()))
+    # each rank's last training step updated its own BatchNorm statistics:
+    # rank 0's for every rank, as DDP's next training forward would copy them
     for buffer in model.module.buffers():
         dist.broadcast(buffer, src=0)
     correct = seen = 0
     model.eval()
-    for images, labels in DataLoader(Subset(val_set, share), args.batch_size):
+    for images, labels in DataLoader(share, args.batch_size):
         # the bare model: the ranks may have different numbers of batches, and
         # DDP's forward would wait for every rank
         logits = model.module(images.to(device))
@@ -249,8 +249,7 @@ def load_model(epoch, model, optimizer, device, args):
     ckpt = torch.load(file, map_location=device, weights_only=True)
     model.module.load_state_dict(ckpt["model_state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_state_dict"])
-    # each load puts the checkpoint's lr back: --lr wins, so that --resume can
-    # change it
+    # each load puts the checkpoint's lr back; --lr wins (it matters on --resume)
     for group in optimizer.param_groups:
         group["lr"] = args.lr
 
@@ -262,25 +261,28 @@ def run_training_process_on_given_gpu(local_rank, args):
     torch.manual_seed(args.seed)
     train_set, val_set, num_classes = load_datasets(args)
     loader = prepare_dataloader(train_set, device, args)
-    net = build_model(args, num_classes).to(device)
+    model = build_model(args, num_classes).to(device)
     if args.channels_last:
-        net = net.to(memory_format=torch.channels_last)
+        model = model.to(memory_format=torch.channels_last)
     # the tutorial's device_ids=[rank]: left out, DDP takes the model's device
-    model = DDP(net)
+    model = DDP(model)
     params = model.parameters()
     optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9, weight_decay=1e-4)
-    steps = min(len(loader), args.max_steps or len(loader))
+    steps = len(loader)
+    # --max-steps: a shorter epoch
+    if args.max_steps:
+        steps = min(steps, args.max_steps)
     # fewer images than one global batch: drop_last leaves no step
     if steps == 0:
         fail(f"{len(train_set)} images: too few for --batch-size {args.batch_size}")
     first_epoch = decide_first_epoch(device, args)
-    print_start(net, steps, len(train_set), first_epoch, device, args)
+    print_start(model, steps, len(train_set), first_epoch, device, args)
     # fixed: the tutorial's range(1, 30) ran 29 epochs
     epochs = range(first_epoch, args.epochs + 1)
     results = {}
     for epoch in epochs:
-        # the tutorial's lesson: each epoch after the first starts with every rank
-        # loading the checkpoint that rank 0 saved last
+        # the tutorial's lesson: every rank loads what rank 0 saved last (weights
+        # it holds already), the barrier-then-load that --resume needs
         if epoch > 1:
             load_model(epoch - 1, model, optimizer, device, args)
         loss, rate = train(model, loader, optimizer, device, epoch, steps, args)
@@ -314,13 +316,13 @@ def decide_first_epoch(device, args):
     return newest + 1
 
 
-def print_start(net, steps, num_images, first_epoch, device, args):
+def print_start(model, steps, num_images, first_epoch, device, args):
     """What runs where: the start line."""
     world_size = dist.get_world_size()
     line = (
         f"start | {Path(__file__).name} | world_size {world_size}"
         f" | backend {dist.get_backend()} | device {device}"
-        f" | model {type(net).__name__}"
+        f" | model {type(model.module).__name__}"
         f" | data {args.data or 'synthetic'} ({num_images} images)"
         f" | batch {args.batch_size} x {world_size} | lr {args.lr} | steps {steps}"
         f" | epochs {first_epoch}-{args.epochs} | ckpt_dir {args.ckpt_dir}"
@@ -331,8 +333,8 @@ def print_start(net, steps, num_images, first_epoch, device, args):
 
 
 def report(results, steps, device, args):
-    """The done line, and rank 0's --metrics-out. A resumed run with no epoch
-    left has no final_loss and no checkpoint."""
+    """The done line, and rank 0's --metrics-out (JSON, for run_all.sh's table).
+    A resumed run with no epoch left has no final_loss and no checkpoint."""
     print0(
         f"done | epochs_run {results['epochs_run']}"
         f" | final_loss {results.get('final_loss')}"
@@ -350,7 +352,7 @@ def report(results, steps, device, args):
         Path(args.metrics_out).write_text(json.dumps(results, indent=1))
 
 
-# --- launching (copy it whole; a part marked optional may go) ---
+# --- launching: a copy needs each line, but for those marked optional ---
 def launch(main, args):
     """Run main(local_rank, args) once in each rank."""
     try:
@@ -359,7 +361,7 @@ def launch(main, args):
             local_rank = int(os.environ.get("LOCAL_RANK") or 0)
             # optional: record adds this rank's traceback to torchrun's report
             return record(main)(local_rank, args)
-        # optional, fixed: each rank gets its share of the cores, not all of them
+        # optional, fixed: each spawned rank gets its share of the cores, not all
         if not os.environ.get("OMP_NUM_THREADS"):
             threads = max(1, os.cpu_count() // args.nprocs)
             os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -368,18 +370,18 @@ def launch(main, args):
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # Ctrl-C reaches every rank; here it ends the wait for them
+        # Ctrl-C reaches each rank too; here it ends the wait below
         signal.signal(signal.SIGINT, signal.default_int_handler)
         # SIGTERM to this launcher alone: terminate_ranks passes it on
         signal.signal(signal.SIGTERM, terminate_ranks)
-        ranks = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-        # when a rank fails, the others get 5 s to end on their own (rank 0 to
-        # say why) before torch ends them; join=True would end them at once
-        while not ranks.join(grace_period=5):
+        processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
+        # join() returns as each rank ends, True once all have; when one fails,
+        # the others get 5 s to end on their own (rank 0 to print why), not 0 s
+        while not processes.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: a rank that exited with a code has said why: pass the code
-        # on; a rank killed by a signal (a negative code): torch's error names it
+        # optional: a rank that failed has printed why: exit with its code. A
+        # rank killed by a signal has a negative one: torch's error names it.
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)

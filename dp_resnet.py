@@ -20,7 +20,7 @@ import tempfile
 import time
 from pathlib import Path
 
-# Until the training starts, Ctrl-C ends the process at once, quietly; later
+# Until the training starts, Ctrl-C ends the process at once, quietly; then
 # it raises KeyboardInterrupt, so that clean-up code runs
 signal.signal(signal.SIGINT, signal.SIG_DFL)
 
@@ -104,7 +104,7 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
         optimizer.zero_grad()
-        # --amp: autocast computes the loss in fp32 from the bf16 logits
+        # --amp: bf16 where DataParallel does not wrap the model; the loss in fp32
         with torch.autocast(device.type, torch.bfloat16, enabled=args.amp):
             loss = torch.nn.functional.cross_entropy(model(images), labels)
         loss.backward()
@@ -114,12 +114,13 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
         if step % 10 == 0 or step == steps or time.monotonic() - last_print > 30:
             # .item() waits for the GPU to finish; read the clock after it
             value = loss.item()
-            last_print = time.monotonic()
-            rate = step * args.batch_size / (last_print - began)
+            now = time.monotonic()
+            rate = step * args.batch_size / (now - began)
             print(
                 f"epoch {epoch}/{args.epochs} | step {step}/{steps}"
                 f" | loss {value:.4f} | {rate:.0f} img/s"
             )
+            last_print = now
         # --max-steps: a shorter epoch
         if step == steps:
             break
@@ -187,7 +188,10 @@ def run_training(gpus, train_set, num_classes, args):
         model = torch.nn.DataParallel(model)
     params = model.parameters()
     optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9, weight_decay=1e-4)
-    steps = min(len(dataloader), args.max_steps or len(dataloader))
+    steps = len(dataloader)
+    # --max-steps: a shorter epoch
+    if args.max_steps:
+        steps = min(steps, args.max_steps)
     # epoch 1, or with --resume the one after the newest checkpoint (a used
     # folder without --resume was refused)
     first_epoch = newest_epoch(args) + 1
@@ -201,6 +205,7 @@ def run_training(gpus, train_set, num_classes, args):
     if first_epoch > 1:
         line += f" | resuming from epoch_{first_epoch - 1}.pt"
     print(line)
+    # the last epoch's figures; a resumed run with no epoch left has none
     results = {}
     # fixed: the tutorial's range(1, 30) ran 29 epochs
     epochs = range(first_epoch, args.epochs + 1)
@@ -217,18 +222,19 @@ def run_training(gpus, train_set, num_classes, args):
 
 
 def report(results, steps, gpus, device, args):
-    """The done line, and --metrics-out."""
+    """The done line, and --metrics-out (JSON, for run_all.sh's table)."""
     print(
         f"done | epochs_run {results['epochs_run']}"
         f" | final_loss {results.get('final_loss')}"
         f" | checkpoint {results.get('checkpoint')}"
     )
     if args.metrics_out:
-        results.update(
+        results = dict(
             script=Path(__file__).name,
             world_size=max(gpus, 1),
             device=device.type,
             steps=steps,
+            **results,
         )
         Path(args.metrics_out).write_text(json.dumps(results, indent=1))
 
@@ -264,7 +270,8 @@ def parse_args():
 
 if __name__ == "__main__":
     args = parse_args()
-    # fixed: each line reaches a log file (nohup, SLURM) as printed, not in blocks
+    # fixed: each line reaches a log file (nohup, SLURM) when it is printed, not
+    # when a buffer fills
     sys.stdout.reconfigure(line_buffering=True)
     if args.data and not Path(args.data).is_dir():
         sys.exit(f"error: --data {args.data}: no such folder")

@@ -259,7 +259,7 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         "ddp_resnet.py",
         [
             (
-                "DataLoader(Subset(val_set, share), args.batch_size)",
+                "DataLoader(share, args.batch_size)",
                 "DataLoader(val_set, args.batch_size, sampler=DistributedSampler(val_set))",
             )
         ],

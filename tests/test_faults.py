@@ -19,6 +19,7 @@ from conftest import (
     TINY,
     finish,
     finish_all,
+    kill_all,
     lines,
     metrics,
     python,
@@ -42,16 +43,27 @@ def children(pid: int) -> list:
         return []
 
 
+def cmdline(pid: int) -> str:
+    """A process's command line; "" once it has ended (a short-lived child, say)."""
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
 def wait_for_ranks(proc, count: int, under_torchrun: bool, timeout: float = 60) -> list:
-    """The rank processes of a run once they exist (mp.spawn adds a resource tracker, skipped)."""
+    """The rank processes of a run once they exist (mp.spawn adds a resource tracker, skipped).
+    If they never do, the run is killed before the test fails."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         ranks = children(proc.pid)
         if not under_torchrun:
-            ranks = [p for p in ranks if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
+            ranks = [p for p in ranks if "spawn_main" in cmdline(p)]
         if len(ranks) == count:
             return ranks
         time.sleep(0.2)
+    kill_all(proc)
     pytest.fail(f"the run never had {count} ranks")
 
 

@@ -138,7 +138,7 @@ def test_the_repeated_helpers_and_launching_are_the_same_in_every_script():
         ("def print0", "\n\n\n", ["ddp_fashionmnist.py", "ddp_resnet.py"]),
         ("# --- launching", "# --- end of launching ---", DDP),
         ("def positive", "\n\n\n", SCRIPTS),
-        ("# Until the training starts, Ctrl-C", "import torch", SCRIPTS),
+        ("# Ctrl-C ends this process at once", "import torch", DDP),
         ("def ignore_ctrl_c", "\n\n\n", ["dp_resnet.py", "ddp_resnet.py"]),
     ):
         copies = {s: section(texts[s], start, end) for s in scripts}
