@@ -40,7 +40,7 @@ def ddp_setup(local_rank, args):
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # binds the group to this GPU: NCCL's barrier() uses it, not a guess
+        # tells NCCL this rank's GPU, so that barrier() need not guess it
         device_id=device if cuda else None,
     )
     # the group is up: now Ctrl-C and SIGTERM raise KeyboardInterrupt, so that
@@ -84,7 +84,7 @@ def main(local_rank, args):
     dist.destroy_process_group()
 
 
-# --- launching: a copy needs each line, but for those marked optional ---
+# --- launching: copy all of it but the lines marked optional ---
 def launch(main, args):
     """Run main(local_rank, args) once in each rank."""
     try:
@@ -107,8 +107,8 @@ def launch(main, args):
         # SIGTERM to this launcher alone: terminate_ranks passes it on
         signal.signal(signal.SIGTERM, terminate_ranks)
         processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-        # join() returns as each rank ends, True once all have; when one fails,
-        # the others get 5 s to end on their own (rank 0 to print why), not 0 s
+        # join() returns False while ranks still run; when one fails, the others
+        # get 5 s to end on their own (rank 0 to print why), not join=True's 0 s
         while not processes.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:

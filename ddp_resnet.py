@@ -54,7 +54,7 @@ def ddp_setup(local_rank, args):
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # binds the group to this GPU: NCCL's barrier() uses it, not a guess
+        # tells NCCL this rank's GPU, so that barrier() need not guess it
         device_id=device if cuda else None,
     )
     # the group is up: now Ctrl-C and SIGTERM raise KeyboardInterrupt, so that
@@ -70,8 +70,8 @@ def print0(*args, **kwargs):
 
 
 def fail(message):
-    """Exit 1 in every rank, rank 0 saying why. Only where every rank takes the
-    same branch: the others would wait in their next collective until --timeout."""
+    """Exit 1 in every rank, rank 0 saying why. Call it only where every rank
+    decides alike, or the others wait in their next collective until --timeout."""
     print0(f"error: {message}", file=sys.stderr)
     sys.exit(1)
 
@@ -140,8 +140,8 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
     """One epoch; the loss averaged over every rank, and images/s."""
     # fixed: without set_epoch every epoch has the same order
     dataloader.sampler.set_epoch(epoch)
-    # DDP keeps the weights equal; this seed drives your augmentation and dropout:
-    # by epoch and rank, a resumed run ends with an unbroken run's weights
+    # a seed per epoch and rank, so that a resumed run repeats an unbroken one
+    # (random augmentation and dropout, in your own model and data)
     torch.manual_seed(args.seed + 1000 * epoch + dist.get_rank())
     global_batch = args.batch_size * dist.get_world_size()
     # summed on the device: .item() at every step would wait for it
@@ -181,11 +181,11 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
 @torch.no_grad()
 def evaluate(model, val_set, device, args):
     """Top-1 accuracy over the validation set, each image counted once."""
-    # this rank's share, every world_size-th image from its rank on: a
-    # DistributedSampler would repeat some images to give every rank as many
+    # this rank's share, every world_size-th image: unlike a DistributedSampler,
+    # it pads nothing, so each image is counted once
     share = Subset(val_set, range(dist.get_rank(), len(val_set), dist.get_world_size()))
-    # each rank's last training step updated its own BatchNorm statistics:
-    # rank 0's for every rank, as DDP's next training forward would copy them
+    # rank 0's BatchNorm statistics to every rank (the last training step left
+    # each its own), so that all evaluate the same model
     for buffer in model.module.buffers():
         dist.broadcast(buffer, src=0)
     correct = seen = 0
@@ -281,8 +281,8 @@ def run_training_process_on_given_gpu(local_rank, args):
     epochs = range(first_epoch, args.epochs + 1)
     results = {}
     for epoch in epochs:
-        # the tutorial's lesson: every rank loads what rank 0 saved last (weights
-        # it holds already), the barrier-then-load that --resume needs
+        # the tutorial's lesson: every rank loads what rank 0 saved last. In one
+        # run it holds those weights already; on --resume this is the real load
         if epoch > 1:
             load_model(epoch - 1, model, optimizer, device, args)
         loss, rate = train(model, loader, optimizer, device, epoch, steps, args)
@@ -352,7 +352,7 @@ def report(results, steps, device, args):
         Path(args.metrics_out).write_text(json.dumps(results, indent=1))
 
 
-# --- launching: a copy needs each line, but for those marked optional ---
+# --- launching: copy all of it but the lines marked optional ---
 def launch(main, args):
     """Run main(local_rank, args) once in each rank."""
     try:
@@ -375,8 +375,8 @@ def launch(main, args):
         # SIGTERM to this launcher alone: terminate_ranks passes it on
         signal.signal(signal.SIGTERM, terminate_ranks)
         processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-        # join() returns as each rank ends, True once all have; when one fails,
-        # the others get 5 s to end on their own (rank 0 to print why), not 0 s
+        # join() returns False while ranks still run; when one fails, the others
+        # get 5 s to end on their own (rank 0 to print why), not join=True's 0 s
         while not processes.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
