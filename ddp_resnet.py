@@ -148,6 +148,7 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
     loss_sum = torch.zeros((), device=device)
     began = last_print = time.monotonic()
     for step, (images, labels) in enumerate(dataloader, start=1):
+        # non_blocking: the copy of a pinned batch overlaps the GPU's work
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
         optimizer.zero_grad()
@@ -225,6 +226,7 @@ def save_model(epoch, model, optimizer, args):
     try:
         with open(tmp, "wb") as f:
             torch.save(ckpt, f)
+            # on the disk before the rename makes it epoch_N.pt
             os.fsync(f.fileno())
         os.replace(tmp, file)
     except RuntimeError as e:
@@ -357,7 +359,7 @@ def launch(main, args):
     """Run main(local_rank, args) once in each rank."""
     try:
         if os.environ.get("RANK"):
-            # torchrun started this process as one rank
+            # torchrun (or a pod that sets RANK) started this process as one rank
             local_rank = int(os.environ.get("LOCAL_RANK") or 0)
             # optional: record adds this rank's traceback to torchrun's report
             return record(main)(local_rank, args)
