@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, Subset, TensorDataset
 from torchvision import datasets
 
 
@@ -136,15 +136,21 @@ def train(model, train_loader, loss_function, optimizer, device, args):
 
 
 @torch.no_grad()
-def test(model, test_set, device):
+def test(model, test_set, device, batch_size):
     """Accuracy over the whole test set, each image counted once."""
-    # this rank's share (a TensorDataset slice): every world_size-th image; a
-    # DistributedSampler would repeat some to give every rank as many
-    images, labels = test_set[dist.get_rank() :: dist.get_world_size()]
+    # this rank's share, every world_size-th image: unlike a DistributedSampler,
+    # it pads nothing, so each image is counted once
+    share = Subset(
+        test_set, range(dist.get_rank(), len(test_set), dist.get_world_size())
+    )
+    correct = seen = 0
     model.eval()
-    predicted = model(images.to(device)).argmax(1).cpu()
+    for images, labels in DataLoader(share, batch_size):
+        predicted = model(images.to(device)).argmax(1)
+        correct += (predicted == labels.to(device)).sum().item()
+        seen += len(labels)
     # the whole test set's counts, not this rank's share alone
-    counts = torch.tensor([(predicted == labels).sum(), len(labels)], device=device)
+    counts = torch.tensor([correct, seen], device=device)
     dist.all_reduce(counts)
     correct, seen = counts.tolist()
     return dict(test_accuracy=correct / seen, test_correct=correct, test_samples=seen)
@@ -175,7 +181,7 @@ def main(local_rank, args):
     )
     # train() wraps my_net in DDP, which trains my_net's weights: test() scores it
     loss = train(my_net, train_loader, loss_function, optimizer, device, args)
-    results = test(my_net, test_set, device)
+    results = test(my_net, test_set, device, args.batch_size)
     print0(
         f"done | test_accuracy {results['test_accuracy']:.4f}"
         f" ({results['test_samples']} images)"

@@ -102,8 +102,8 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         "ddp_fashionmnist.py",
         [
             (
-                "test_set[dist.get_rank() :: dist.get_world_size()]",
-                "test_set[list(DistributedSampler(test_set, shuffle=False))]",
+                "DataLoader(share, batch_size)",
+                "DataLoader(test_set, batch_size, sampler=DistributedSampler(test_set))",
             )
         ],
         "tests/test_multinode.py::test_processes_with_rank_but_no_local_rank_join_as_that_rank",

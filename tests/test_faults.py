@@ -358,10 +358,7 @@ def importing_torch(pid: int) -> bool:
 
 def ranks_importing_torch(pid: int) -> bool:
     """Both ranks of a spawned run have begun to import torch."""
-    try:
-        ranks = [p for p in children(pid) if "spawn_main" in open(f"/proc/{p}/cmdline").read()]
-    except OSError:  # one just ended
-        return False
+    ranks = [p for p in children(pid) if "spawn_main" in cmdline(p)]
     return len(ranks) == 2 and all(map(importing_torch, ranks))
 
 
