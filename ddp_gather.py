@@ -43,11 +43,19 @@ def ddp_setup(local_rank, args):
         # tells NCCL this rank's GPU, so that barrier() need not guess it
         device_id=device if cuda else None,
     )
-    # the group is up: now Ctrl-C and SIGTERM raise KeyboardInterrupt, so that
-    # clean-up code (a finally: block) runs before the rank ends
+    # the group is up: now Ctrl-C and SIGTERM stop the rank through stop(), so
+    # that clean-up code (a finally: block) runs before the rank ends
     for sig in signal.SIGINT, signal.SIGTERM:
-        signal.signal(sig, signal.default_int_handler)
+        signal.signal(sig, stop)
     return device
+
+
+def stop(*_):
+    """Raise KeyboardInterrupt once; a second Ctrl-C or SIGTERM (an impatient
+    user) does nothing, or it would cut the clean-up short with tracebacks."""
+    for sig in signal.SIGINT, signal.SIGTERM:
+        signal.signal(sig, lambda *_: None)
+    raise KeyboardInterrupt
 
 
 def main(local_rank, args):
@@ -102,10 +110,9 @@ def launch(main, args):
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # Ctrl-C reaches each rank too; here it ends the wait below
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        # SIGTERM to this launcher alone: terminate_ranks passes it on
-        signal.signal(signal.SIGTERM, terminate_ranks)
+        # Ctrl-C, or SIGTERM to this launcher alone: terminate_ranks passes it on
+        for sig in signal.SIGINT, signal.SIGTERM:
+            signal.signal(sig, terminate_ranks)
         processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
         # join() returns False while ranks still run; when one fails, the others
         # get 5 s to end on their own (rank 0 to print why), not join=True's 0 s
@@ -123,12 +130,10 @@ def launch(main, args):
 
 
 def terminate_ranks(*_):
-    """SIGTERM to this launcher: to each rank too, then as on Ctrl-C."""
-    # a second SIGTERM would cut the ranks' clean-up short
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    """SIGTERM to each rank, then stop() this launcher: it waits for them."""
     for process in mp.active_children():
         process.terminate()
-    raise KeyboardInterrupt
+    stop()
 
 
 # --- end of launching ---

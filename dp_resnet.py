@@ -239,6 +239,14 @@ def report(results, steps, gpus, device, args):
         Path(args.metrics_out).write_text(json.dumps(results, indent=1))
 
 
+def stop(*_):
+    """Raise KeyboardInterrupt once; a second Ctrl-C or SIGTERM (an impatient
+    user) does nothing, or it would cut the clean-up short with tracebacks."""
+    for sig in signal.SIGINT, signal.SIGTERM:
+        signal.signal(sig, lambda *_: None)
+    raise KeyboardInterrupt
+
+
 def positive(text):
     if int(text) < 1:
         raise ValueError(text)
@@ -296,7 +304,7 @@ if __name__ == "__main__":
         sys.exit(f"error: {len(train_set)} images, too few for one batch")
     # now Ctrl-C, and SIGTERM, raise KeyboardInterrupt: a save removes its .tmp
     for sig in signal.SIGINT, signal.SIGTERM:
-        signal.signal(sig, signal.default_int_handler)
+        signal.signal(sig, stop)
     try:
         # CUDA_VISIBLE_DEVICES chooses the GPUs
         gpus = 0 if args.cpu else torch.cuda.device_count()

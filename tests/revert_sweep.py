@@ -197,6 +197,18 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         "tests/test_faults.py::test_a_stop_mid_epoch_then_ctrl_c_during_a_save_then_resume[dp]",
     ),
     (
+        "ddp: a second Ctrl-C raises again",
+        "ddp_resnet.py",
+        [("        signal.signal(sig, lambda *_: None)\n", "        pass\n")],
+        "tests/test_faults.py::test_a_stop_mid_epoch_then_ctrl_c_during_a_save_then_resume",
+    ),
+    (
+        "dp: a second Ctrl-C raises again",
+        "dp_resnet.py",
+        [("        signal.signal(sig, lambda *_: None)\n", "        pass\n")],
+        "tests/test_faults.py::test_a_stop_mid_epoch_then_ctrl_c_during_a_save_then_resume[dp]",
+    ),
+    (
         "dp: workers forked",
         "dp_resnet.py",
         [('        multiprocessing_context="forkserver" if args.workers else None,\n', "")],

@@ -250,11 +250,14 @@ def saved(folder) -> list:
 
 
 def interrupted(res, how: str) -> None:
-    """Exit 130, and no traceback of ours (under torchrun, torchrun's own report may follow)."""
+    """Exit 130, and no traceback of ours (under torchrun, torchrun's own report may follow).
+    A second Ctrl-C that comes once Python has begun to exit ends the process by SIGINT, which
+    a shell shows as 130 too."""
     if how == "torchrun":
         assert res.returncode != 0 and 'resnet.py", line' not in res.stderr, res.stderr[-3000:]
     else:
-        assert res.returncode == 130 and "Traceback" not in res.stderr, res.stderr[-3000:]
+        assert res.returncode in (130, -signal.SIGINT), res.stderr[-3000:]
+        assert "Traceback" not in res.stderr, res.stderr[-3000:]
 
 
 def as_in_a_script() -> None:
@@ -317,7 +320,9 @@ def test_a_stop_mid_epoch_then_ctrl_c_during_a_save_then_resume(how, tmp_path):
     rank and ignores the second: no traceback, no second signal to cut a rank's clean-up short,
     and exit 130 once the ranks have ended.
     Before, the second raised in the launcher's exit handler ("Exception ignored in atexit
-    callback" and a traceback) and reached each rank again."""
+    callback" and a traceback) and reached each rank again. The Ctrl-C comes twice too, 50 ms
+    apart: each process acts on the first alone (stop()). Before, the second printed tracebacks
+    from the launcher's exit handler, from torch.save's zip writer and from a rank's exit."""
     folder = tmp_path / "ckpt"
     flags = ["--epochs", 3, "--ckpt-dir", folder]
     proc = start(command(how, *flags), preexec_fn=as_in_a_script)  # stopped once epoch 2 began
@@ -337,11 +342,14 @@ def test_a_stop_mid_epoch_then_ctrl_c_during_a_save_then_resume(how, tmp_path):
     during_a_save(proc, folder)
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
     sent = time.monotonic()
+    time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGINT)  # and again, as an impatient user does
     left = left_at_exit(proc) if how == "spawn" else []
     res = finish(proc, timeout=30, check=False)  # fails on a launcher still running
     assert left == [], "the launcher ended before its ranks"
     assert time.monotonic() - sent < 15
     interrupted(res, how)
+    assert "Exception ignored" not in res.stderr, res.stderr[-3000:]
     assert "| epochs 2-3 |" in res.stdout.splitlines()[0], res.stdout  # went on from 1
     done = saved(folder)  # the save under way is either whole or gone; the newest one loads
     assert done in ([1], [1, 2])  # (--resume from it: test_resnet.py, and after a full disk)
