@@ -320,7 +320,7 @@ def test_a_stop_mid_epoch_then_ctrl_c_during_a_save_then_resume(how, tmp_path):
     rank and ignores the second: no traceback, no second signal to cut a rank's clean-up short,
     and exit 130 once the ranks have ended.
     Before, the second raised in the launcher's exit handler ("Exception ignored in atexit
-    callback" and a traceback) and reached each rank again. The Ctrl-C comes twice too, 50 ms
+    callback" and a traceback) and reached each rank again. The Ctrl-C comes twice too, 10 ms
     apart: each process acts on the first alone (stop()). Before, the second printed tracebacks
     from the launcher's exit handler, from torch.save's zip writer and from a rank's exit."""
     folder = tmp_path / "ckpt"
@@ -342,7 +342,7 @@ def test_a_stop_mid_epoch_then_ctrl_c_during_a_save_then_resume(how, tmp_path):
     during_a_save(proc, folder)
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
     sent = time.monotonic()
-    time.sleep(0.05)
+    time.sleep(0.01)
     os.killpg(proc.pid, signal.SIGINT)  # and again, as an impatient user does
     left = left_at_exit(proc) if how == "spawn" else []
     res = finish(proc, timeout=30, check=False)  # fails on a launcher still running
