@@ -57,17 +57,19 @@ def ddp_setup(local_rank, args):
         # tells NCCL this rank's GPU, so that barrier() need not guess it
         device_id=device if cuda else None,
     )
-    # the group is up: now Ctrl-C and SIGTERM stop the rank through stop(), so
-    # that clean-up code (a finally: block) runs before the rank ends
+    # the group is up: now Ctrl-C and SIGTERM raise KeyboardInterrupt (stop), so
+    # that clean-up code (any finally: block) runs before the rank ends
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, stop)
     return device
 
 
 def stop(*_):
-    """Raise KeyboardInterrupt once; a second Ctrl-C or SIGTERM (an impatient
-    user) does nothing, or it would cut the clean-up short with tracebacks."""
+    """Ctrl-C or SIGTERM: raise KeyboardInterrupt, and ignore both from now on,
+    so that a second Ctrl-C cannot cut the clean-up short."""
     for sig in signal.SIGINT, signal.SIGTERM:
+        # a handler that does nothing: SIG_IGN would print a warning for a
+        # signal already on its way
         signal.signal(sig, lambda *_: None)
     raise KeyboardInterrupt
 
@@ -78,8 +80,8 @@ def print0(*args, **kwargs):
 
 
 def fail(message):
-    """Exit 1 in every rank, rank 0 saying why. Call it only where every rank
-    decides alike, or the others wait in their next collective until --timeout."""
+    """Exit 1, rank 0 saying why. Every rank must call it at the same point (each
+    decides alike), or the others wait in their next collective until --timeout."""
     print0(f"error: {message}", file=sys.stderr)
     sys.exit(1)
 
@@ -400,7 +402,7 @@ def launch(main, args):
 
 
 def terminate_ranks(*_):
-    """SIGTERM to each rank, then stop() this launcher: it waits for them."""
+    """SIGTERM to each rank, then stop(): this launcher exits once they have."""
     for process in mp.active_children():
         process.terminate()
     stop()

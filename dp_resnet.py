@@ -240,9 +240,11 @@ def report(results, steps, gpus, device, args):
 
 
 def stop(*_):
-    """Raise KeyboardInterrupt once; a second Ctrl-C or SIGTERM (an impatient
-    user) does nothing, or it would cut the clean-up short with tracebacks."""
+    """Ctrl-C or SIGTERM: raise KeyboardInterrupt, and ignore both from now on,
+    so that a second Ctrl-C cannot cut the clean-up short."""
     for sig in signal.SIGINT, signal.SIGTERM:
+        # a handler that does nothing: SIG_IGN would print a warning for a
+        # signal already on its way
         signal.signal(sig, lambda *_: None)
     raise KeyboardInterrupt
 
