@@ -39,11 +39,23 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         ],
         "tests/test_gather.py::test_all_gather_object_rank_order",
     ),
-    (
+    (  # the line above `import torch`, and the launcher's SIGTERM to each rank on Ctrl-C
         "gather: Ctrl-C while the ranks meet",
         "ddp_gather.py",
-        [("signal.signal(signal.SIGINT, signal.SIG_DFL)\n", "")],
+        [
+            ("signal.signal(signal.SIGINT, signal.SIG_DFL)\n", ""),
+            (
+                "for sig in signal.SIGINT, signal.SIGTERM:\n            signal.signal(sig, terminate_ranks)",
+                "signal.signal(signal.SIGTERM, terminate_ranks)",
+            ),
+        ],
         "tests/test_faults.py::test_ctrl_c_while_the_ranks_meet_ends_at_once",
+    ),
+    (
+        "ddp: Ctrl-C while torch loads",
+        "ddp_resnet.py",
+        [("signal.signal(signal.SIGINT, signal.SIG_DFL)\n", "")],
+        "tests/test_faults.py::test_ctrl_c_in_the_first_seconds_is_quiet[ddp_resnet.py]",
     ),
     (
         "fm: every rank all cores",
