@@ -125,6 +125,9 @@ def build_model(args, num_classes):
 def ignore_ctrl_c(worker_id):
     """Loader workers leave Ctrl-C to the training process, which ends them."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # batches as named shared memory, not as file descriptors handed over a
+    # connection: a Ctrl-C that cut one printed this worker's traceback
+    torch.multiprocessing.set_sharing_strategy("file_system")
 
 
 def prepare_dataloader(dataset, device, args):

@@ -221,6 +221,12 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         "tests/test_faults.py::test_a_stop_mid_epoch_then_ctrl_c_during_a_save_then_resume[dp]",
     ),
     (
+        "dp: batches as file descriptors",
+        "dp_resnet.py",
+        [('    torch.multiprocessing.set_sharing_strategy("file_system")\n', "")],
+        "tests/test_resnet.py::test_ctrl_c_while_workers_hand_batches_over_is_quiet",
+    ),
+    (
         "dp: workers forked",
         "dp_resnet.py",
         [('        multiprocessing_context="forkserver" if args.workers else None,\n', "")],
