@@ -57,16 +57,6 @@ def ddp_setup(local_rank, args):
     return device
 
 
-def stop(*_):
-    """Ctrl-C or SIGTERM: raise KeyboardInterrupt, and ignore both from now on,
-    so that a second Ctrl-C cannot cut the clean-up short."""
-    for sig in signal.SIGINT, signal.SIGTERM:
-        # a handler that does nothing: SIG_IGN would print a warning for a
-        # signal already on its way
-        signal.signal(sig, lambda *_: None)
-    raise KeyboardInterrupt
-
-
 def print0(*args, **kwargs):
     if dist.get_rank() == 0:
         print(*args, **kwargs, flush=True)
@@ -253,6 +243,16 @@ def terminate_ranks(*_):
     for process in mp.active_children():
         process.terminate()
     stop()
+
+
+def stop(*_):
+    """Ctrl-C or SIGTERM: raise KeyboardInterrupt, and ignore both from now on,
+    so that a second Ctrl-C cannot cut the clean-up short."""
+    for sig in signal.SIGINT, signal.SIGTERM:
+        # a handler that does nothing: SIG_IGN would print a warning for a
+        # signal already on its way
+        signal.signal(sig, lambda *_: None)
+    raise KeyboardInterrupt
 
 
 # --- end of launching ---
