@@ -50,8 +50,8 @@ def ddp_setup(local_rank, args):
         # tells NCCL this rank's GPU, so that barrier() need not guess it
         device_id=device if cuda else None,
     )
-    # the group is up: now Ctrl-C and SIGTERM raise KeyboardInterrupt (stop), so
-    # that clean-up code (any finally: block) runs before the rank ends
+    # the group is up: now Ctrl-C and SIGTERM raise KeyboardInterrupt (stop(), in
+    # the launching section), so that finally: blocks run before the rank ends
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, stop)
     return device
@@ -219,17 +219,17 @@ def launch(main, args):
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # Ctrl-C, or SIGTERM to this launcher alone: terminate_ranks passes it on
+        # SIGTERM or Ctrl-C to this launcher: terminate_ranks passes it to the ranks
         for sig in signal.SIGINT, signal.SIGTERM:
             signal.signal(sig, terminate_ranks)
         processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-        # join() returns False while ranks still run; when one fails, the others
-        # get 5 s to end on their own (rank 0 to print why), not join=True's 0 s
+        # join=True would end the other ranks the moment one fails; this loop
+        # gives them 5 s to end on their own (rank 0 to print why)
         while not processes.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: a rank that failed has printed why: exit with its code. A
-        # rank killed by a signal has a negative one: torch's error names it.
+        # optional: a failed rank has printed why; exit with its code. A negative
+        # code means a signal killed the rank: torch's error names the signal.
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)
@@ -239,7 +239,7 @@ def launch(main, args):
 
 
 def terminate_ranks(*_):
-    """SIGTERM to each rank, then stop(): this launcher exits once they have."""
+    """SIGTERM to each rank, then stop(). Python's exit waits for the ranks."""
     for process in mp.active_children():
         process.terminate()
     stop()

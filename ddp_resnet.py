@@ -57,8 +57,8 @@ def ddp_setup(local_rank, args):
         # tells NCCL this rank's GPU, so that barrier() need not guess it
         device_id=device if cuda else None,
     )
-    # the group is up: now Ctrl-C and SIGTERM raise KeyboardInterrupt (stop), so
-    # that clean-up code (any finally: block) runs before the rank ends
+    # the group is up: now Ctrl-C and SIGTERM raise KeyboardInterrupt (stop(), in
+    # the launching section), so that finally: blocks run before the rank ends
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, stop)
     return device
@@ -70,8 +70,8 @@ def print0(*args, **kwargs):
 
 
 def fail(message):
-    """Exit 1, rank 0 saying why. Every rank must call it at the same point (each
-    decides alike), or the others wait in their next collective until --timeout."""
+    """Exit 1, rank 0 saying why. Every rank runs the same check on the same data,
+    so all exit together; one that went on would wait for the rest until --timeout."""
     print0(f"error: {message}", file=sys.stderr)
     sys.exit(1)
 
@@ -139,14 +139,15 @@ def prepare_dataloader(dataset, device, args):
     )
 
 
-def train(model, dataloader, optimizer, device, epoch, steps, args):
+def train(model, dataloader, optimizer, device, epoch, args):
     """One epoch; the loss averaged over every rank, and images/s."""
     # fixed: without set_epoch every epoch has the same order
     dataloader.sampler.set_epoch(epoch)
-    # a seed per epoch and rank, so that a resumed run repeats an unbroken one
-    # (random augmentation and dropout, in your own model and data)
+    # a seed per epoch and rank: if your model has dropout or your data random
+    # augmentation, a resumed run draws what an unbroken run drew
     torch.manual_seed(args.seed + 1000 * epoch + dist.get_rank())
     global_batch = args.batch_size * dist.get_world_size()
+    steps = len(dataloader)
     # summed on the device: .item() at every step would wait for it
     loss_sum = torch.zeros((), device=device)
     began = last_print = time.monotonic()
@@ -173,9 +174,6 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
                 f" | loss {value:.4f} | {rate:.0f} img/s"
             )
             last_print = now
-        # --max-steps: a shorter epoch
-        if step == steps:
-            break
     # fixed: the tutorial prints rank 0's loss alone; this is every rank's mean
     dist.all_reduce(loss_sum)
     loss = loss_sum.item() / steps / dist.get_world_size()
@@ -254,7 +252,7 @@ def load_model(epoch, model, optimizer, device, args):
     ckpt = torch.load(file, map_location=device, weights_only=True)
     model.module.load_state_dict(ckpt["model_state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_state_dict"])
-    # each load puts the checkpoint's lr back; --lr wins (it matters on --resume)
+    # --resume with a new --lr: the load above put the checkpoint's lr back
     for group in optimizer.param_groups:
         group["lr"] = args.lr
 
@@ -265,6 +263,11 @@ def run_training_process_on_given_gpu(local_rank, args):
     # by index), and the same initial weights every run
     torch.manual_seed(args.seed)
     train_set, val_set, num_classes = load_datasets(args)
+    if args.max_steps:
+        # --max-steps: shorter epochs, over a random part of the data (not a break:
+        # a loader left early stops its workers where Python loses a Ctrl-C)
+        keep = args.max_steps * args.batch_size * dist.get_world_size()
+        train_set = Subset(train_set, torch.randperm(len(train_set))[:keep].tolist())
     loader = prepare_dataloader(train_set, device, args)
     model = build_model(args, num_classes).to(device)
     if args.channels_last:
@@ -274,9 +277,6 @@ def run_training_process_on_given_gpu(local_rank, args):
     params = model.parameters()
     optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9, weight_decay=1e-4)
     steps = len(loader)
-    # --max-steps: a shorter epoch
-    if args.max_steps:
-        steps = min(steps, args.max_steps)
     # fewer images than one global batch: drop_last leaves no step
     if steps == 0:
         fail(f"{len(train_set)} images: too few for --batch-size {args.batch_size}")
@@ -290,7 +290,7 @@ def run_training_process_on_given_gpu(local_rank, args):
         # run it holds those weights already; on --resume this is the real load
         if epoch > 1:
             load_model(epoch - 1, model, optimizer, device, args)
-        loss, rate = train(model, loader, optimizer, device, epoch, steps, args)
+        loss, rate = train(model, loader, optimizer, device, epoch, args)
         results.update(final_loss=loss, images_per_sec=rate)
         line = f"epoch {epoch}/{args.epochs} | loss {loss:.4f} | {rate:.0f} img/s"
         # fixed: global rank 0 saves; the tutorial's local rank 0 saved once a node
@@ -338,8 +338,8 @@ def print_start(model, steps, num_images, first_epoch, device, args):
 
 
 def report(results, steps, device, args):
-    """The done line, and rank 0's --metrics-out (JSON, for run_all.sh's table).
-    A resumed run with no epoch left has no final_loss and no checkpoint."""
+    """The done line, and rank 0's --metrics-out (JSON). A resumed run with no
+    epoch left has no final_loss and no checkpoint."""
     print0(
         f"done | epochs_run {results['epochs_run']}"
         f" | final_loss {results.get('final_loss')}"
@@ -375,17 +375,17 @@ def launch(main, args):
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # Ctrl-C, or SIGTERM to this launcher alone: terminate_ranks passes it on
+        # SIGTERM or Ctrl-C to this launcher: terminate_ranks passes it to the ranks
         for sig in signal.SIGINT, signal.SIGTERM:
             signal.signal(sig, terminate_ranks)
         processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-        # join() returns False while ranks still run; when one fails, the others
-        # get 5 s to end on their own (rank 0 to print why), not join=True's 0 s
+        # join=True would end the other ranks the moment one fails; this loop
+        # gives them 5 s to end on their own (rank 0 to print why)
         while not processes.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: a rank that failed has printed why: exit with its code. A
-        # rank killed by a signal has a negative one: torch's error names it.
+        # optional: a failed rank has printed why; exit with its code. A negative
+        # code means a signal killed the rank: torch's error names the signal.
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)
@@ -395,7 +395,7 @@ def launch(main, args):
 
 
 def terminate_ranks(*_):
-    """SIGTERM to each rank, then stop(): this launcher exits once they have."""
+    """SIGTERM to each rank, then stop(). Python's exit waits for the ranks."""
     for process in mp.active_children():
         process.terminate()
     stop()

@@ -26,7 +26,7 @@ signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
 import torchvision.transforms as T
-from torch.utils.data import ConcatDataset, DataLoader, TensorDataset
+from torch.utils.data import ConcatDataset, DataLoader, Subset, TensorDataset
 from torchvision import datasets, models
 
 
@@ -95,11 +95,12 @@ class Bf16Autocast(torch.nn.Sequential):
             return super().forward(x)
 
 
-def train(model, dataloader, optimizer, device, epoch, steps, args):
+def train(model, dataloader, optimizer, device, epoch, args):
     """One epoch: its mean loss, and images/s."""
     # seeded by the epoch, a resumed run shuffles as an unbroken run did (and
     # seeds the workers and your model's dropout alike)
     torch.manual_seed(epoch)
+    steps = len(dataloader)
     # summed on the device: .item() at every step would wait for it
     loss_sum = torch.zeros((), device=device)
     began = last_print = time.monotonic()
@@ -124,9 +125,6 @@ def train(model, dataloader, optimizer, device, epoch, steps, args):
                 f" | loss {value:.4f} | {rate:.0f} img/s"
             )
             last_print = now
-        # --max-steps: a shorter epoch
-        if step == steps:
-            break
     rate = steps * args.batch_size / (time.monotonic() - began)
     return loss_sum.item() / steps, rate
 
@@ -179,6 +177,11 @@ def load_model(epoch, net, optimizer, device, args):
 
 def run_training(gpus, train_set, num_classes, args):
     device = torch.device("cuda:0" if gpus else "cpu")
+    if args.max_steps:
+        # --max-steps: shorter epochs, over a random part of the data (not a break:
+        # a loader left early stops its workers where Python loses a Ctrl-C)
+        keep = args.max_steps * args.batch_size
+        train_set = Subset(train_set, torch.randperm(len(train_set))[:keep].tolist())
     dataloader = prepare_dataloader(train_set, gpus, args)
     # net: the bare model, which the checkpoints hold; model: what trains
     net = build_model(args, num_classes).to(device)
@@ -192,9 +195,6 @@ def run_training(gpus, train_set, num_classes, args):
     params = model.parameters()
     optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9, weight_decay=1e-4)
     steps = len(dataloader)
-    # --max-steps: a shorter epoch
-    if args.max_steps:
-        steps = min(steps, args.max_steps)
     # epoch 1, or with --resume the one after the newest checkpoint (a used
     # folder without --resume was refused)
     first_epoch = newest_epoch(args) + 1
@@ -216,7 +216,7 @@ def run_training(gpus, train_set, num_classes, args):
         # the tutorial's pattern: each epoch starts from the last one's checkpoint
         if epoch > 1:
             load_model(epoch - 1, net, optimizer, device, args)
-        loss, rate = train(model, dataloader, optimizer, device, epoch, steps, args)
+        loss, rate = train(model, dataloader, optimizer, device, epoch, args)
         checkpoint = save_model(epoch, net, optimizer, args)
         print(f"epoch {epoch}/{args.epochs} | loss {loss:.4f} | {rate:.0f} img/s")
         results = dict(final_loss=loss, images_per_sec=rate, checkpoint=checkpoint)

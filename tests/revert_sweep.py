@@ -226,6 +226,33 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         [('    torch.multiprocessing.set_sharing_strategy("file_system")\n', "")],
         "tests/test_resnet.py::test_ctrl_c_while_workers_hand_batches_over_is_quiet",
     ),
+    (  # the epoch's last step breaks out of the loop, as --max-steps once did
+        "dp: an epoch leaves its loader early",
+        "dp_resnet.py",
+        [
+            (
+                "            last_print = now\n",
+                "            last_print = now\n        if step == steps:\n            break\n",
+            )
+        ],
+        "tests/test_own_model.py::test_ctrl_c_while_an_epoch_ends_its_loader_workers_stops_the_run[dp_resnet.py-flags0-step 10/10]",
+    ),
+    (  # --max-steps as a break out of the loop, over the whole data
+        "ddp: --max-steps leaves the loader early",
+        "ddp_resnet.py",
+        [
+            ("    if args.max_steps:\n", "    if False:\n"),
+            (
+                "    steps = len(dataloader)\n",
+                "    steps = min(len(dataloader), args.max_steps or 10**9)\n",
+            ),
+            (
+                "            last_print = now\n",
+                "            last_print = now\n        if step == args.max_steps:\n            break\n",
+            ),
+        ],
+        "tests/test_own_model.py::test_ctrl_c_while_an_epoch_ends_its_loader_workers_stops_the_run[ddp_resnet.py-flags1-step 5/5]",
+    ),
     (
         "dp: workers forked",
         "dp_resnet.py",

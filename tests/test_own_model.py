@@ -4,19 +4,26 @@ the loader workers, a validation set), and the copy launches, trains, validates 
 saves and resumes as the original does: to the bit of a run that was never stopped."""
 
 import difflib
+import os
 import shutil
+import signal
 import sys
+import time
 
+import pytest
 import torch
 
 from conftest import (
     ONE_THREAD,
     ROOT,
+    finish,
+    lines,
     metrics,
     python,
     recorded,
     run,
     same_weights,
+    start,
 )
 
 OWN = '''def load_datasets(args):
@@ -110,3 +117,59 @@ def test_dataparallel_copy_resumes_to_the_bit_with_augmentation_and_dropout(tmp_
     assert sorted(whole["draws"][0]) == sorted(whole["draws"][1]) == list(range(60))
     assert resumed["draws"] == whole["draws"][1:]
     assert whole["workers"][0] == 1
+
+
+SLOW_TO_CLOSE = '''def load_datasets(args):
+    """Two classes of random images, from loader workers that take 3 s to close (the files or
+    the database of a user's own data): each epoch's end waits for them."""
+    return SlowToClose(), None, 2
+
+
+class SlowToClose(torch.utils.data.Dataset):
+    def __len__(self):
+        return 40
+
+    def __getitem__(self, i):
+        if not hasattr(self, "closing"):  # once in each worker
+            import multiprocessing.util
+
+            self.closing = multiprocessing.util.Finalize(None, time.sleep, (3,), exitpriority=0)
+        return torch.randn(3, 16, 16), i % 2
+
+
+def build_model(args, num_classes):
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, num_classes))
+'''
+
+
+@pytest.mark.parametrize(
+    "original, flags, last",
+    [
+        ("dp_resnet.py", ["--batch-size", 4], "step 10/10"),  # every image, each epoch
+        (
+            "ddp_resnet.py",
+            ["--nprocs", 2, "--batch-size", 2, "--max-steps", 5, "--timeout", 60],
+            "step 5/5",
+        ),  # --max-steps: 5 of the 10 steps
+    ],
+)
+def test_ctrl_c_while_an_epoch_ends_its_loader_workers_stops_the_run(
+    original, flags, last, tmp_path
+):
+    """Ctrl-C to the whole group while the loader's workers close at an epoch's end: exit 130,
+    quiet, and no later epoch. Before, an epoch left its loader at the last step, so the workers
+    ended in the loader's __del__, where Python prints a KeyboardInterrupt and goes on: the run
+    trained on, deaf to Ctrl-C and SIGTERM, and the DataParallel run exited 0."""
+    own = SLOW_TO_CLOSE.replace("return SlowToClose(), None, 2", "return SlowToClose(), 2")
+    script, _ = own_copy(tmp_path, original, own if original == "dp_resnet.py" else SLOW_TO_CLOSE)
+    cmd = [sys.executable, script, "--cpu", "--workers", 1, "--epochs", 2, *flags]
+    proc = start([str(c) for c in [*cmd, "--ckpt-dir", tmp_path / "ckpt"]], env=ONE_THREAD)
+    try:
+        for _ in lines(proc, 120, until=lambda line: line.startswith(f"epoch 1/2 | {last}")):
+            pass
+        time.sleep(0.5)  # the workers close for 3 s from the last step on
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C
+    finally:
+        res = finish(proc, timeout=60, check=False)  # none outlives the test
+    assert res.returncode == 130 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    assert "epoch 2/2" not in res.stdout and "done |" not in res.stdout, res.stdout

@@ -73,7 +73,7 @@ def test_ddp_run_prints_saves_and_reports(uninterrupted):
     lines = out.splitlines()
     assert lines[0] == (
         "start | ddp_resnet.py | world_size 2 | backend gloo | device cpu | model ResNet "
-        "| data synthetic (12800 images) | batch 4 x 2 | lr 0.01 | steps 2 | epochs 1-3 "
+        "| data synthetic (16 images) | batch 4 x 2 | lr 0.01 | steps 2 | epochs 1-3 "
         f"| ckpt_dir {folder}"
     )
     # each epoch: a progress line at its last step, then its summary
@@ -120,7 +120,7 @@ def test_a_fresh_run_refuses_a_folder_with_checkpoints(script, uninterrupted, tm
         ]
         res = run(command(script, *flags), timeout=TIMEOUT)
         assert res.stdout.splitlines()[0] == (
-            "start | dp_resnet.py | gpus 0 | device cpu | model ResNet | data synthetic (12800 "
+            "start | dp_resnet.py | gpus 0 | device cpu | model ResNet | data synthetic (8 "
             f"images) | batch 4 | lr 0.01 | steps 2 | epochs 4-4 | ckpt_dir {ckpt} | resuming "
             "from epoch_3.pt"
         )
