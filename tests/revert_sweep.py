@@ -235,7 +235,7 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
                 "            last_print = now\n        if step == steps:\n            break\n",
             )
         ],
-        "tests/test_own_model.py::test_ctrl_c_while_an_epoch_ends_its_loader_workers_stops_the_run[dp_resnet.py-flags0-step 10/10]",
+        "tests/test_own_model.py::test_ctrl_c_while_an_epoch_ends_its_loader_workers_stops_the_run[dp_resnet.py]",
     ),
     (  # --max-steps as a break out of the loop, over the whole data
         "ddp: --max-steps leaves the loader early",
@@ -251,7 +251,7 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
                 "            last_print = now\n        if step == args.max_steps:\n            break\n",
             ),
         ],
-        "tests/test_own_model.py::test_ctrl_c_while_an_epoch_ends_its_loader_workers_stops_the_run[ddp_resnet.py-flags1-step 5/5]",
+        "tests/test_own_model.py::test_ctrl_c_while_an_epoch_ends_its_loader_workers_stops_the_run[ddp_resnet.py]",
     ),
     (
         "dp: workers forked",

@@ -152,6 +152,7 @@ def build_model(args, num_classes):
             "step 5/5",
         ),  # --max-steps: 5 of the 10 steps
     ],
+    ids=["dp_resnet.py", "ddp_resnet.py"],
 )
 def test_ctrl_c_while_an_epoch_ends_its_loader_workers_stops_the_run(
     original, flags, last, tmp_path
