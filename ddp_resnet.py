@@ -129,7 +129,7 @@ def prepare_dataloader(dataset, device, args):
         args.batch_size,
         # each rank its own shuffled share of the training set
         sampler=DistributedSampler(dataset, seed=args.seed),
-        # fixed: per rank; the tutorial gave each rank 4 workers per GPU
+        # fixed: per rank; the tutorial's 4 * GPUs in each rank
         num_workers=args.workers,
         multiprocessing_context="forkserver" if args.workers else None,
         worker_init_fn=ignore_ctrl_c,
@@ -264,8 +264,8 @@ def run_training_process_on_given_gpu(local_rank, args):
     torch.manual_seed(args.seed)
     train_set, val_set, num_classes = load_datasets(args)
     if args.max_steps:
-        # --max-steps: shorter epochs, over a random part of the data (not a break:
-        # a loader left early stops its workers where Python loses a Ctrl-C)
+        # --max-steps: shorter epochs, over a random part of the data (the same
+        # on every rank: seeded above)
         keep = args.max_steps * args.batch_size * dist.get_world_size()
         train_set = Subset(train_set, torch.randperm(len(train_set))[:keep].tolist())
     loader = prepare_dataloader(train_set, device, args)
