@@ -140,29 +140,33 @@ class SlowToClose(torch.utils.data.Dataset):
 def build_model(args, num_classes):
     return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, num_classes))
 '''
+# dp_resnet.py's load_datasets returns no validation set
+DP_SLOW_TO_CLOSE = SLOW_TO_CLOSE.replace("return SlowToClose(), None, 2", "return SlowToClose(), 2")
 
 
 @pytest.mark.parametrize(
-    "original, flags, last",
+    "original, own, flags, last",
     [
-        ("dp_resnet.py", ["--batch-size", 4], "step 10/10"),  # every image, each epoch
+        # every image, each epoch
+        ("dp_resnet.py", DP_SLOW_TO_CLOSE, ["--batch-size", 4], "step 10/10"),
+        # --max-steps: 5 of the 10 steps
         (
             "ddp_resnet.py",
+            SLOW_TO_CLOSE,
             ["--nprocs", 2, "--batch-size", 2, "--max-steps", 5, "--timeout", 60],
             "step 5/5",
-        ),  # --max-steps: 5 of the 10 steps
+        ),
     ],
     ids=["dp_resnet.py", "ddp_resnet.py"],
 )
 def test_ctrl_c_while_an_epoch_ends_its_loader_workers_stops_the_run(
-    original, flags, last, tmp_path
+    original, own, flags, last, tmp_path
 ):
     """Ctrl-C to the whole group while the loader's workers close at an epoch's end: exit 130,
     quiet, and no later epoch. Before, an epoch left its loader at the last step, so the workers
     ended in the loader's __del__, where Python prints a KeyboardInterrupt and goes on: the run
     trained on, deaf to Ctrl-C and SIGTERM, and the DataParallel run exited 0."""
-    own = SLOW_TO_CLOSE.replace("return SlowToClose(), None, 2", "return SlowToClose(), 2")
-    script, _ = own_copy(tmp_path, original, own if original == "dp_resnet.py" else SLOW_TO_CLOSE)
+    script, _ = own_copy(tmp_path, original, own)
     cmd = [sys.executable, script, "--cpu", "--workers", 1, "--epochs", 2, *flags]
     proc = start([str(c) for c in [*cmd, "--ckpt-dir", tmp_path / "ckpt"]], env=ONE_THREAD)
     try:
