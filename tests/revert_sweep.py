@@ -224,7 +224,7 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         "dp: batches as file descriptors",
         "dp_resnet.py",
         [('    torch.multiprocessing.set_sharing_strategy("file_system")\n', "")],
-        "tests/test_resnet.py::test_ctrl_c_while_workers_hand_batches_over_is_quiet",
+        "tests/test_own_model.py::test_ctrl_c_while_a_worker_hands_a_batch_over_is_quiet",
     ),
     (  # the epoch's last step breaks out of the loop, as --max-steps once did
         "dp: an epoch leaves its loader early",

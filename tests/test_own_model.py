@@ -9,6 +9,7 @@ import shutil
 import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -178,3 +179,51 @@ def test_ctrl_c_while_an_epoch_ends_its_loader_workers_stops_the_run(
         res = finish(proc, timeout=60, check=False)  # none outlives the test
     assert res.returncode == 130 and "Traceback" not in res.stderr, res.stderr[-3000:]
     assert "epoch 2/2" not in res.stdout and "done |" not in res.stdout, res.stdout
+
+
+HOLDS_THE_GIL = '''def load_datasets(args):
+    """Two classes of random images, each made by C code that keeps the GIL (as a decoder or
+    a user's own parser may): the worker's other threads wait until it is done."""
+    return HoldsTheGil(), 2
+
+
+class HoldsTheGil(torch.utils.data.Dataset):
+    def __len__(self):
+        return 400
+
+    def __getitem__(self, i):
+        for _ in range(4):
+            pow(3, 1_000_000)
+        return torch.randn(3, 16, 16), i % 2
+
+
+def build_model(args, num_classes):
+    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, num_classes))
+'''
+RECVMSG = "47"  # x86-64's number for recvmsg, as /proc/PID/syscall shows it
+
+
+def test_ctrl_c_while_a_worker_hands_a_batch_over_is_quiet(tmp_path):
+    """Ctrl-C to the whole group while the training process waits for a worker to hand a batch
+    over: exit 130, no traceback. Once, each batch came as file descriptors, sent by a thread of
+    the worker (multiprocessing's resource_sharer) to a connection the training process opened;
+    a Ctrl-C then closed the connection, and that thread printed BrokenPipeError or EOFError.
+    Here the worker keeps that thread waiting, so the wait is long, and the Ctrl-C comes while
+    /proc shows the training process in recvmsg (or after 3 s, where it never is: named shared
+    memory, no connection)."""
+    script, _ = own_copy(tmp_path, "dp_resnet.py", HOLDS_THE_GIL)
+    cmd = [sys.executable, script, "--cpu", "--workers", 2, "--batch-size", 2, "--epochs", 1]
+    proc = start([str(c) for c in [*cmd, "--ckpt-dir", tmp_path / "ckpt"]], env=ONE_THREAD)
+    try:
+        for _ in lines(proc, 120, until=lambda line: line.startswith("epoch 1/1 | step 10/")):
+            pass
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            syscall = Path(f"/proc/{proc.pid}/syscall").read_text().split()[0]
+            if syscall == RECVMSG:
+                break
+            time.sleep(0.001)
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C
+    finally:
+        res = finish(proc, timeout=60, check=False)  # none outlives the test
+    assert res.returncode == 130 and "Traceback" not in res.stderr, res.stderr[-3000:]
