@@ -259,6 +259,28 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         [('        multiprocessing_context="forkserver" if args.workers else None,\n', "")],
         "tests/test_resnet.py::test_loader_workers_come_from_a_forkserver_and_ignore_ctrl_c[dp_resnet.py]",
     ),
+    (  # the forkserver imports torch and torchvision itself, with Python's SIGINT handler
+        "ddp: the forkserver loads torch alone",
+        "ddp_resnet.py",
+        [
+            (
+                'set_forkserver_preload(["__main__"])',
+                'set_forkserver_preload(["torch", "torchvision"])',
+            )
+        ],
+        "tests/test_faults.py::test_ctrl_c_while_the_forkserver_loads_torch_is_quiet[ddp_resnet.py]",
+    ),
+    (
+        "dp: the forkserver loads torch alone",
+        "dp_resnet.py",
+        [
+            (
+                'set_forkserver_preload(["__main__"])',
+                'set_forkserver_preload(["torch", "torchvision"])',
+            )
+        ],
+        "tests/test_faults.py::test_ctrl_c_while_the_forkserver_loads_torch_is_quiet[dp_resnet.py]",
+    ),
     (
         "ddp: weights_only=False",
         "ddp_resnet.py",
