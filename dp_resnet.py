@@ -68,9 +68,9 @@ def ignore_ctrl_c(worker_id):
 def prepare_dataloader(dataset, gpus, args):
     # the workers start from a forkserver, not as forks of this process: Python
     # loses a Ctrl-C that comes during a fork, and forking a CUDA process is slow.
-    # The forkserver loads this file, so torch, once for all; its first line
+    # The forkserver imports this file: torch once for all, and its first line
     # lets a Ctrl-C meanwhile end the forkserver quietly
-    torch.multiprocessing.set_forkserver_preload(["__main__"])
+    torch.multiprocessing.set_forkserver_preload([Path(__file__).stem])
     return DataLoader(
         dataset,
         # the global batch: DataParallel splits it between the GPUs

@@ -181,7 +181,7 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
     (
         "ddp: workers import torch each epoch",
         "ddp_resnet.py",
-        [('    mp.set_forkserver_preload(["torch", "torchvision"])\n', "")],
+        [("    mp.set_forkserver_preload([Path(__file__).stem])\n", "")],
         "tests/test_resnet.py::test_loader_workers_come_from_a_forkserver_and_ignore_ctrl_c[ddp_resnet.py]",
     ),
     (
@@ -264,7 +264,7 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         "ddp_resnet.py",
         [
             (
-                'set_forkserver_preload(["__main__"])',
+                "set_forkserver_preload([Path(__file__).stem])",
                 'set_forkserver_preload(["torch", "torchvision"])',
             )
         ],
@@ -275,7 +275,7 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         "dp_resnet.py",
         [
             (
-                'set_forkserver_preload(["__main__"])',
+                "set_forkserver_preload([Path(__file__).stem])",
                 'set_forkserver_preload(["torch", "torchvision"])',
             )
         ],
@@ -404,27 +404,28 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         "tests/test_resnet.py::test_dataparallel_lines_reach_a_log_file_as_they_are_printed",
     ),
 ]
-only = sys.argv[1:]
-for name, script, replacements, tests in R:
-    if only and not any(o in name for o in only):
-        continue
-    work = pathlib.Path(tempfile.mkdtemp(prefix="revert_"))
-    subprocess.run(f"git -C {HEAD} archive HEAD | tar -x -C {work}", shell=True, check=True)
-    text = (work / script).read_text()
-    for old, new in replacements:
-        assert text.count(old) >= 1, (name, old)
-        text = text.replace(old, new)
-    (work / script).write_text(text)
-    res = subprocess.run(
-        [PY, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests.split()],
-        cwd=work,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "CI": "true"},
-    )
-    failed = re.findall(r"^FAILED (\S+)|^ERROR (\S+)", res.stdout, re.M)
-    failed = [a or b for a, b in failed]
-    summary = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else res.stderr[-200:]
-    shutil.rmtree(work, ignore_errors=True)
-    names = ", ".join(f.split("::")[-1] for f in failed) or "NONE FAILED"
-    print(f"| {name} | {names} | {summary} |", flush=True)
+if __name__ == "__main__":  # tests/test_size.py imports R
+    only = sys.argv[1:]
+    for name, script, replacements, tests in R:
+        if only and not any(o in name for o in only):
+            continue
+        work = pathlib.Path(tempfile.mkdtemp(prefix="revert_"))
+        subprocess.run(f"git -C {HEAD} archive HEAD | tar -x -C {work}", shell=True, check=True)
+        text = (work / script).read_text()
+        for old, new in replacements:
+            assert text.count(old) >= 1, (name, old)
+            text = text.replace(old, new)
+        (work / script).write_text(text)
+        res = subprocess.run(
+            [PY, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider", *tests.split()],
+            cwd=work,
+            capture_output=True,
+            text=True,
+            env={**os.environ, "CI": "true"},
+        )
+        failed = re.findall(r"^FAILED (\S+)|^ERROR (\S+)", res.stdout, re.M)
+        failed = [a or b for a, b in failed]
+        summary = res.stdout.strip().splitlines()[-1] if res.stdout.strip() else res.stderr[-200:]
+        shutil.rmtree(work, ignore_errors=True)
+        names = ", ".join(f.split("::")[-1] for f in failed) or "NONE FAILED"
+        print(f"| {name} | {names} | {summary} |", flush=True)

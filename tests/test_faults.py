@@ -409,7 +409,7 @@ def test_ctrl_c_while_the_forkserver_loads_torch_is_quiet(script, tmp_path):
     first seconds of a run with --workers, the default on a GPU): exit 130, no traceback,
     nothing left. Before, the forkserver imported torch with Python's own SIGINT handler and
     printed a KeyboardInterrupt traceback from inside the import (11 of 12 runs, Ctrl-C at a
-    random moment of its first 3 s); now it loads the script, whose first line it runs first."""
+    random moment of its first 3 s); now it imports the script, whose first line comes first."""
     flags = ["--workers", 1, "--epochs", 2, "--ckpt-dir", tmp_path / "ckpt"]
     ranks = ["--nprocs", 1] if script == "ddp_resnet.py" else []
     proc = start(python(script, *ranks, *(LONG if ranks else LONG[:-2]), *flags))

@@ -144,3 +144,12 @@ def test_the_repeated_helpers_and_launching_are_the_same_in_every_script():
     ):
         copies = {s: section(texts[s], start, end) for s in scripts}
         assert len(set(copies.values())) == 1, f"the copies of {start!r} differ"
+
+
+def test_each_revert_of_the_sweep_still_finds_its_line():
+    """tests/revert_sweep.py puts tutorial lines back in place of ours: each of ours is there."""
+    from revert_sweep import R
+
+    for name, script, replacements, _ in R:
+        text = (ROOT / script).read_text()
+        assert all(old in text for old, _ in replacements), name
