@@ -122,9 +122,10 @@ def ignore_ctrl_c(worker_id):
 
 def prepare_dataloader(dataset, device, args):
     # workers start from a forkserver, not as forks of this rank, whose gloo or
-    # NCCL threads a fork can stall. The forkserver imports this file: torch
-    # once for all, and its first line lets a Ctrl-C meanwhile end it quietly
-    mp.set_forkserver_preload([Path(__file__).stem])
+    # NCCL threads a fork can stall. It imports torch once for all; first this
+    # file, if run from its folder, whose first line lets a Ctrl-C meanwhile
+    # end it quietly
+    mp.set_forkserver_preload([Path(__file__).stem, "torch", "torchvision"])
     return DataLoader(
         dataset,
         args.batch_size,

@@ -68,9 +68,10 @@ def ignore_ctrl_c(worker_id):
 def prepare_dataloader(dataset, gpus, args):
     # the workers start from a forkserver, not as forks of this process: Python
     # loses a Ctrl-C that comes during a fork, and forking a CUDA process is slow.
-    # The forkserver imports this file: torch once for all, and its first line
-    # lets a Ctrl-C meanwhile end the forkserver quietly
-    torch.multiprocessing.set_forkserver_preload([Path(__file__).stem])
+    # The forkserver imports torch once for all; first this file, if run from
+    # its folder, whose first line lets a Ctrl-C meanwhile end it quietly
+    preload = [Path(__file__).stem, "torch", "torchvision"]
+    torch.multiprocessing.set_forkserver_preload(preload)
     return DataLoader(
         dataset,
         # the global batch: DataParallel splits it between the GPUs

@@ -181,7 +181,7 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
     (
         "ddp: workers import torch each epoch",
         "ddp_resnet.py",
-        [("    mp.set_forkserver_preload([Path(__file__).stem])\n", "")],
+        [('    mp.set_forkserver_preload([Path(__file__).stem, "torch", "torchvision"])\n', "")],
         "tests/test_resnet.py::test_loader_workers_come_from_a_forkserver_and_ignore_ctrl_c[ddp_resnet.py]",
     ),
     (
@@ -264,8 +264,8 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         "ddp_resnet.py",
         [
             (
-                "set_forkserver_preload([Path(__file__).stem])",
-                'set_forkserver_preload(["torch", "torchvision"])',
+                '[Path(__file__).stem, "torch", "torchvision"]',
+                '["torch", "torchvision"]',
             )
         ],
         "tests/test_faults.py::test_ctrl_c_while_the_forkserver_loads_torch_is_quiet[ddp_resnet.py]",
@@ -275,8 +275,8 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         "dp_resnet.py",
         [
             (
-                "set_forkserver_preload([Path(__file__).stem])",
-                'set_forkserver_preload(["torch", "torchvision"])',
+                '[Path(__file__).stem, "torch", "torchvision"]',
+                '["torch", "torchvision"]',
             )
         ],
         "tests/test_faults.py::test_ctrl_c_while_the_forkserver_loads_torch_is_quiet[dp_resnet.py]",

@@ -306,7 +306,8 @@ def test_loader_workers_come_from_a_forkserver_and_ignore_ctrl_c(script, tmp_pat
     # 10 steps an epoch: the workers live long enough to be found on a fast machine too
     cmd = command(script, *flags, "--max-steps", 10, ranks=1)
     cmd[1:1] = ["-X", "importtime"]
-    proc, interrupted = start(cmd), set()
+    # run from another folder, where the forkserver cannot import the script: torch, still once
+    proc, interrupted = start(cmd, cwd=tmp_path), set()
 
     def interrupt_workers():
         while proc.poll() is None:
