@@ -411,8 +411,10 @@ def test_ctrl_c_while_the_forkserver_loads_torch_is_quiet(script, tmp_path):
     printed a KeyboardInterrupt traceback from inside the import (11 of 12 runs, Ctrl-C at a
     random moment of its first 3 s); now it imports the script, whose first line comes first."""
     flags = ["--workers", 1, "--epochs", 2, "--ckpt-dir", tmp_path / "ckpt"]
-    ranks = ["--nprocs", 1] if script == "ddp_resnet.py" else []
-    proc = start(python(script, *ranks, *(LONG if ranks else LONG[:-2]), *flags))
+    if script == "ddp_resnet.py":
+        proc = start(python(script, "--nprocs", 1, *LONG, *flags))
+    else:
+        proc = start(python(script, *LONG[:-2], *flags))
     deadline = time.monotonic() + TIMEOUT
     while time.monotonic() < deadline and proc.poll() is None:
         if forkserver_importing_torch(proc.mark):

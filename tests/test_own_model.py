@@ -136,11 +136,13 @@ class SlowToClose(torch.utils.data.Dataset):
 
             self.closing = multiprocessing.util.Finalize(None, time.sleep, (3,), exitpriority=0)
         return torch.randn(3, 16, 16), i % 2
-
+'''
+# a linear model on the 3 x 16 x 16 images
+LINEAR = """
 
 def build_model(args, num_classes):
     return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, num_classes))
-'''
+"""
 # dp_resnet.py's load_datasets returns no validation set
 DP_SLOW_TO_CLOSE = SLOW_TO_CLOSE.replace("return SlowToClose(), None, 2", "return SlowToClose(), 2")
 
@@ -167,7 +169,7 @@ def test_ctrl_c_while_an_epoch_ends_its_loader_workers_stops_the_run(
     quiet, and no later epoch. Before, an epoch left its loader at the last step, so the workers
     ended in the loader's __del__, where Python prints a KeyboardInterrupt and goes on: the run
     trained on, deaf to Ctrl-C and SIGTERM, and the DataParallel run exited 0."""
-    script, _ = own_copy(tmp_path, original, own)
+    script, _ = own_copy(tmp_path, original, own + LINEAR)
     cmd = [sys.executable, script, "--cpu", "--workers", 1, "--epochs", 2, *flags]
     proc = start([str(c) for c in [*cmd, "--ckpt-dir", tmp_path / "ckpt"]], env=ONE_THREAD)
     try:
@@ -195,10 +197,6 @@ class HoldsTheGil(torch.utils.data.Dataset):
         for _ in range(4):
             pow(3, 1_000_000)
         return torch.randn(3, 16, 16), i % 2
-
-
-def build_model(args, num_classes):
-    return torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, num_classes))
 '''
 RECVMSG = "47"  # x86-64's number for recvmsg, as /proc/PID/syscall shows it
 
@@ -211,7 +209,7 @@ def test_ctrl_c_while_a_worker_hands_a_batch_over_is_quiet(tmp_path):
     Here the worker keeps that thread waiting, so the wait is long, and the Ctrl-C comes as soon
     as /proc shows the training process in recvmsg; after 3 s where it never is (named shared
     memory: no connection, nothing to cut)."""
-    script, _ = own_copy(tmp_path, "dp_resnet.py", HOLDS_THE_GIL)
+    script, _ = own_copy(tmp_path, "dp_resnet.py", HOLDS_THE_GIL + LINEAR)
     cmd = [sys.executable, script, "--cpu", "--workers", 1, "--batch-size", 2, "--epochs", 1]
     proc = start([str(c) for c in [*cmd, "--ckpt-dir", tmp_path / "ckpt"]], env=ONE_THREAD)
     waited = False  # for a batch over a connection
