@@ -40,11 +40,11 @@ def ddp_setup(local_rank, args):
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # tells NCCL this rank's GPU, so that barrier() need not guess it
+        # NCCL: the GPU of this rank's collectives, barrier() too
         device_id=device if cuda else None,
     )
     # the group is up: now Ctrl-C and SIGTERM raise KeyboardInterrupt (stop(), in
-    # the launching section), so that finally: blocks run before the rank ends
+    # the launching section), so that the rank unwinds and ends quietly
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, stop)
     return device
@@ -84,7 +84,7 @@ def main(local_rank, args):
     dist.destroy_process_group()
 
 
-# --- launching: copy all of it but the lines marked optional ---
+# --- launching: a copy needs all of it except the lines marked optional ---
 def launch(main, args):
     """Run main(local_rank, args) once in each rank."""
     try:

@@ -17,6 +17,7 @@ import sys
 import tempfile
 import time
 from datetime import timedelta
+from multiprocessing import forkserver, resource_tracker
 from pathlib import Path
 
 # Ctrl-C ends this process at once, quietly, until ddp_setup has joined the group
@@ -54,11 +55,11 @@ def ddp_setup(local_rank, args):
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # tells NCCL this rank's GPU, so that barrier() need not guess it
+        # NCCL: the GPU of this rank's collectives, barrier() too
         device_id=device if cuda else None,
     )
     # the group is up: now Ctrl-C and SIGTERM raise KeyboardInterrupt (stop(), in
-    # the launching section), so that finally: blocks run before the rank ends
+    # the launching section), so that the rank unwinds and ends quietly
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, stop)
     return device
@@ -122,10 +123,15 @@ def ignore_ctrl_c(worker_id):
 
 def prepare_dataloader(dataset, device, args):
     # workers start from a forkserver, not as forks of this rank, whose gloo or
-    # NCCL threads a fork can stall. It imports torch once for all; first this
-    # file, if run from its folder, whose first line lets a Ctrl-C meanwhile
-    # end it quietly
-    mp.set_forkserver_preload([Path(__file__).stem, "torch", "torchvision"])
+    # NCCL threads a fork can stall. It imports torch once for all, with Ctrl-C
+    # blocked: this rank stops it, quietly (a Ctrl-C there printed a traceback)
+    mp.set_forkserver_preload(["torch", "torchvision"])
+    if args.workers:
+        # first the tracker, which unblocks SIGINT once it has started
+        resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+        forkserver.ensure_running()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
     return DataLoader(
         dataset,
         args.batch_size,
@@ -188,8 +194,8 @@ def evaluate(model, val_set, device, args):
     # this rank's share, every world_size-th image: unlike a DistributedSampler,
     # it pads nothing, so each image is counted once
     share = Subset(val_set, range(dist.get_rank(), len(val_set), dist.get_world_size()))
-    # rank 0's BatchNorm statistics to every rank (the last training step left
-    # each its own), so that all evaluate the same model
+    # DDP sends rank 0's BatchNorm statistics to the others at each forward, so
+    # the last step left each rank its own: send them once more
     for buffer in model.module.buffers():
         dist.broadcast(buffer, src=0)
     correct = seen = 0
@@ -274,7 +280,7 @@ def run_training_process_on_given_gpu(local_rank, args):
     model = build_model(args, num_classes).to(device)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
-    # the tutorial's device_ids=[rank]: left out, DDP takes the model's device
+    # unlike the tutorial, no device_ids=[rank]: DDP takes the model's device, a CPU too
     model = DDP(model)
     params = model.parameters()
     optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9, weight_decay=1e-4)
@@ -313,9 +319,9 @@ def run_training_process_on_given_gpu(local_rank, args):
 def decide_first_epoch(device, args):
     """Epoch 1, or with --resume the one after the newest checkpoint, as rank 0
     sees --ckpt-dir: every rank starts at the same epoch."""
-    newest = torch.tensor(newest_epoch(args), device=device)
-    dist.broadcast(newest, src=0)
-    newest = newest.item()
+    found = torch.tensor(newest_epoch(args), device=device)
+    dist.broadcast(found, src=0)
+    newest = found.item()
     # a fresh run into a used folder: refused, or --resume would mix two runs
     if newest and not args.resume:
         last = f"{args.ckpt_dir}/epoch_{newest}.pt"
@@ -359,7 +365,7 @@ def report(results, steps, device, args):
         Path(args.metrics_out).write_text(json.dumps(results, indent=1))
 
 
-# --- launching: copy all of it but the lines marked optional ---
+# --- launching: a copy needs all of it except the lines marked optional ---
 def launch(main, args):
     """Run main(local_rank, args) once in each rank."""
     try:

@@ -18,6 +18,7 @@ import signal
 import sys
 import tempfile
 import time
+from multiprocessing import forkserver, resource_tracker
 from pathlib import Path
 
 # Until the training starts, Ctrl-C ends the process at once, quietly; then
@@ -68,10 +69,15 @@ def ignore_ctrl_c(worker_id):
 def prepare_dataloader(dataset, gpus, args):
     # the workers start from a forkserver, not as forks of this process: Python
     # loses a Ctrl-C that comes during a fork, and forking a CUDA process is slow.
-    # The forkserver imports torch once for all; first this file, if run from
-    # its folder, whose first line lets a Ctrl-C meanwhile end it quietly
-    preload = [Path(__file__).stem, "torch", "torchvision"]
-    torch.multiprocessing.set_forkserver_preload(preload)
+    # The forkserver imports torch once for all, with Ctrl-C blocked: this
+    # process stops it, quietly (a Ctrl-C there printed a traceback)
+    torch.multiprocessing.set_forkserver_preload(["torch", "torchvision"])
+    if args.workers:
+        # first the tracker, which unblocks SIGINT once it has started
+        resource_tracker.ensure_running()
+        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+        forkserver.ensure_running()
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
     return DataLoader(
         dataset,
         # the global batch: DataParallel splits it between the GPUs
