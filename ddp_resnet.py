@@ -17,7 +17,7 @@ import sys
 import tempfile
 import time
 from datetime import timedelta
-from multiprocessing import forkserver, resource_tracker
+from multiprocessing import forkserver
 from pathlib import Path
 
 # Ctrl-C ends this process at once, quietly, until ddp_setup has joined the group
@@ -123,15 +123,15 @@ def ignore_ctrl_c(worker_id):
 
 def prepare_dataloader(dataset, device, args):
     # workers start from a forkserver, not as forks of this rank, whose gloo or
-    # NCCL threads a fork can stall. It imports torch once for all, with Ctrl-C
-    # blocked: this rank stops it, quietly (a Ctrl-C there printed a traceback)
-    mp.set_forkserver_preload(["torch", "torchvision"])
+    # NCCL threads a fork can stall. It imports torch once for all
+    mp.set_forkserver_preload([Path(__file__).stem, "torch", "torchvision"])
     if args.workers:
-        # first the tracker, which unblocks SIGINT once it has started
-        resource_tracker.ensure_running()
-        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+        # started from this file's folder, the forkserver imports it first: its
+        # first line lets a Ctrl-C meanwhile end the forkserver quietly
+        cwd = os.getcwd()
+        os.chdir(Path(__file__).parent)
         forkserver.ensure_running()
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+        os.chdir(cwd)
     return DataLoader(
         dataset,
         args.batch_size,

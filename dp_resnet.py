@@ -18,7 +18,7 @@ import signal
 import sys
 import tempfile
 import time
-from multiprocessing import forkserver, resource_tracker
+from multiprocessing import forkserver
 from pathlib import Path
 
 # Until the training starts, Ctrl-C ends the process at once, quietly; then
@@ -69,15 +69,16 @@ def ignore_ctrl_c(worker_id):
 def prepare_dataloader(dataset, gpus, args):
     # the workers start from a forkserver, not as forks of this process: Python
     # loses a Ctrl-C that comes during a fork, and forking a CUDA process is slow.
-    # The forkserver imports torch once for all, with Ctrl-C blocked: this
-    # process stops it, quietly (a Ctrl-C there printed a traceback)
-    torch.multiprocessing.set_forkserver_preload(["torch", "torchvision"])
+    # The forkserver imports torch once for all
+    preload = [Path(__file__).stem, "torch", "torchvision"]
+    torch.multiprocessing.set_forkserver_preload(preload)
     if args.workers:
-        # first the tracker, which unblocks SIGINT once it has started
-        resource_tracker.ensure_running()
-        signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+        # started from this file's folder, the forkserver imports it first: its
+        # first line lets a Ctrl-C meanwhile end the forkserver quietly
+        cwd = os.getcwd()
+        os.chdir(Path(__file__).parent)
         forkserver.ensure_running()
-        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+        os.chdir(cwd)
     return DataLoader(
         dataset,
         # the global batch: DataParallel splits it between the GPUs

@@ -181,7 +181,7 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
     (
         "ddp: workers import torch each epoch",
         "ddp_resnet.py",
-        [('    mp.set_forkserver_preload(["torch", "torchvision"])\n', "")],
+        [('    mp.set_forkserver_preload([Path(__file__).stem, "torch", "torchvision"])\n', "")],
         "tests/test_resnet.py::test_loader_workers_come_from_a_forkserver_and_ignore_ctrl_c[ddp_resnet.py]",
     ),
     (
@@ -259,28 +259,18 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         [('        multiprocessing_context="forkserver" if args.workers else None,\n', "")],
         "tests/test_resnet.py::test_loader_workers_come_from_a_forkserver_and_ignore_ctrl_c[dp_resnet.py]",
     ),
-    (  # the forkserver imports torch with Python's SIGINT handler: a Ctrl-C prints its traceback
-        "ddp: the forkserver loads torch with Ctrl-C on",
+    (  # from another folder the forkserver cannot find the script, and imports torch with
+        # Python's own SIGINT handler: a Ctrl-C then prints its traceback
+        "ddp: the forkserver starts in the caller's folder",
         "ddp_resnet.py",
-        [("signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])", "pass")],
+        [("        os.chdir(Path(__file__).parent)\n", "")],
         "tests/test_faults.py::test_ctrl_c_while_the_forkserver_loads_torch_is_quiet[ddp_resnet.py]",
     ),
-    (  # a tracker that starts inside the block unblocks SIGINT before the forkserver starts
-        "ddp: the tracker starts with the forkserver",
-        "ddp_resnet.py",
-        [("        resource_tracker.ensure_running()\n", "")],
-        "tests/test_faults.py::test_ctrl_c_while_the_forkserver_loads_torch_is_quiet[ddp_resnet.py]",
-    ),
-    (  # the forkserver imports torch with Python's SIGINT handler: a Ctrl-C prints its traceback
-        "dp: the forkserver loads torch with Ctrl-C on",
+    (  # from another folder the forkserver cannot find the script, and imports torch with
+        # Python's own SIGINT handler: a Ctrl-C then prints its traceback
+        "dp: the forkserver starts in the caller's folder",
         "dp_resnet.py",
-        [("signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])", "pass")],
-        "tests/test_faults.py::test_ctrl_c_while_the_forkserver_loads_torch_is_quiet[dp_resnet.py]",
-    ),
-    (  # a tracker that starts inside the block unblocks SIGINT before the forkserver starts
-        "dp: the tracker starts with the forkserver",
-        "dp_resnet.py",
-        [("        resource_tracker.ensure_running()\n", "")],
+        [("        os.chdir(Path(__file__).parent)\n", "")],
         "tests/test_faults.py::test_ctrl_c_while_the_forkserver_loads_torch_is_quiet[dp_resnet.py]",
     ),
     (

@@ -409,10 +409,11 @@ def test_ctrl_c_while_the_forkserver_loads_torch_is_quiet(script, tmp_path):
     first seconds of a run with --workers, the default on a GPU): exit 130, no traceback,
     nothing left. Before, the forkserver imported torch with Python's own SIGINT handler and
     printed a KeyboardInterrupt traceback from inside the import (11 of 12 runs, Ctrl-C at a
-    random moment of its first 3 s); now it starts with SIGINT blocked. Run from another folder,
-    as `torchrun path/to/ddp_resnet.py` is: preloading the script itself helped only in its own."""
+    random moment of its first 3 s); now it imports the script first, whose first line comes
+    first. Run from another folder, as `torchrun path/to/ddp_resnet.py` is: the forkserver finds
+    the script only because it starts in the script's folder."""
     flags = ["--workers", 1, "--epochs", 2, "--ckpt-dir", tmp_path / "ckpt"]
-    if script == "ddp_resnet.py":  # a rank of torchrun's starts its own resource tracker too
+    if script == "ddp_resnet.py":
         proc = start(torchrun(script, 1, *LONG, *flags), cwd=tmp_path)
     else:
         proc = start(python(script, *LONG[:-2], *flags), cwd=tmp_path)
