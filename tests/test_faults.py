@@ -398,33 +398,40 @@ def test_ctrl_c_in_the_first_seconds_is_quiet(script, tmp_path):
         assert res.stdout == "", (moment, res.stdout)  # stopped before the start line
 
 
-def forkserver_importing_torch(mark: str) -> bool:
-    """A loader's forkserver in this run has begun to import torch."""
-    return any("forkserver" in cmdline(p) and importing_torch(p) for p in tagged(mark))
+def forkservers_importing_torch(mark: str) -> list:
+    """The loader forkservers of this run that have begun to import torch."""
+    return [p for p in tagged(mark) if "forkserver" in cmdline(p) and importing_torch(p)]
 
 
 @pytest.mark.parametrize("script", ["ddp_resnet.py", "dp_resnet.py"])
 def test_ctrl_c_while_the_forkserver_loads_torch_is_quiet(script, tmp_path):
-    """Ctrl-C while the forkserver of the loader's workers loads torch, before epoch 1 (the
-    first seconds of a run with --workers, the default on a GPU): exit 130, no traceback,
-    nothing left. Before, the forkserver imported torch with Python's own SIGINT handler and
-    printed a KeyboardInterrupt traceback from inside the import (11 of 12 runs, Ctrl-C at a
-    random moment of its first 3 s); now it imports the script first, whose first line comes
-    first. Run from another folder, as `torchrun path/to/ddp_resnet.py` is: the forkserver finds
-    the script only because it starts in the script's folder."""
+    """Ctrl-C while the forkserver of the loader's workers loads torch and the training process
+    waits for its first worker (the first seconds of a run with --workers, the default on a
+    GPU): exit 130, no traceback, nothing left. Before, the forkserver imported torch with
+    Python's own SIGINT handler and printed a KeyboardInterrupt traceback from inside the import
+    (11 of 12 runs, Ctrl-C at a random moment of its first 3 s); now it imports the script
+    first, whose first line comes first. A forkserver that outlived the Ctrl-C would fork the
+    worker asked for, which fails to open a semaphore its rank removed as it ended. Held
+    stopped here, as on a busy machine, until the rank has asked. Run from another folder, as
+    `torchrun path/to/ddp_resnet.py` is: the forkserver finds the script only because it
+    starts in the script's folder."""
     flags = ["--workers", 1, "--epochs", 2, "--ckpt-dir", tmp_path / "ckpt"]
     if script == "ddp_resnet.py":
         proc = start(torchrun(script, 1, *LONG, *flags), cwd=tmp_path)
     else:
         proc = start(python(script, *LONG[:-2], *flags), cwd=tmp_path)
     deadline = time.monotonic() + TIMEOUT
-    while time.monotonic() < deadline and proc.poll() is None:
-        if forkserver_importing_torch(proc.mark):
-            os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole group
-            break
+    while not (servers := forkservers_importing_torch(proc.mark)):
+        assert time.monotonic() < deadline and proc.poll() is None, "no forkserver"
         time.sleep(0.005)
+    os.kill(servers[0], signal.SIGSTOP)
+    for _ in lines(proc, TIMEOUT, until=lambda line: line.startswith("start | ")):
+        pass
+    time.sleep(2)  # the first epoch's loader asks the forkserver for its worker, and waits
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole group
+    os.kill(servers[0], signal.SIGCONT)
     res = finish(proc, timeout=30, check=False)  # and nothing left
-    assert "forkserver.py" not in res.stderr, res.stderr[-3000:]
+    assert "forkserver.py" not in res.stderr and "synchronize.py" not in res.stderr, res.stderr[-3000:]
     interrupted(res, "torchrun" if script == "ddp_resnet.py" else "dp")
     assert "epoch 1/2 | loss" not in res.stdout, res.stdout  # the Ctrl-C came before it
 
