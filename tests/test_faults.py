@@ -431,7 +431,8 @@ def test_ctrl_c_while_the_forkserver_loads_torch_is_quiet(script, tmp_path):
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole group
     os.kill(servers[0], signal.SIGCONT)
     res = finish(proc, timeout=30, check=False)  # and nothing left
-    assert "forkserver.py" not in res.stderr and "synchronize.py" not in res.stderr, res.stderr[-3000:]
+    for sign in ("forkserver.py", "synchronize.py"):  # its traceback, or its worker's
+        assert sign not in res.stderr, res.stderr[-3000:]
     interrupted(res, "torchrun" if script == "ddp_resnet.py" else "dp")
     assert "epoch 1/2 | loss" not in res.stdout, res.stdout  # the Ctrl-C came before it
 
