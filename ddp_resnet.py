@@ -74,6 +74,8 @@ def fail(message):
     """Exit 1, rank 0 saying why. Every rank runs the same check on the same data,
     so all exit together; one that went on would wait for the rest until --timeout."""
     print0(f"error: {message}", file=sys.stderr)
+    # a rank that exits with the group open can abort ("terminate called ...")
+    dist.destroy_process_group()
     sys.exit(1)
 
 
@@ -277,6 +279,11 @@ def run_training_process_on_given_gpu(local_rank, args):
         keep = args.max_steps * args.batch_size * dist.get_world_size()
         train_set = Subset(train_set, torch.randperm(len(train_set))[:keep].tolist())
     loader = prepare_dataloader(train_set, device, args)
+    steps = len(loader)
+    # fewer images than one global batch: drop_last leaves no step
+    if steps == 0:
+        fail(f"{len(train_set)} images: too few for --batch-size {args.batch_size}")
+    first_epoch = decide_first_epoch(device, args)
     model = build_model(args, num_classes).to(device)
     if args.channels_last:
         model = model.to(memory_format=torch.channels_last)
@@ -284,11 +291,6 @@ def run_training_process_on_given_gpu(local_rank, args):
     model = DDP(model)
     params = model.parameters()
     optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9, weight_decay=1e-4)
-    steps = len(loader)
-    # fewer images than one global batch: drop_last leaves no step
-    if steps == 0:
-        fail(f"{len(train_set)} images: too few for --batch-size {args.batch_size}")
-    first_epoch = decide_first_epoch(device, args)
     print_start(model, steps, len(train_set), first_epoch, device, args)
     # fixed: the tutorial's range(1, 30) ran 29 epochs
     epochs = range(first_epoch, args.epochs + 1)
