@@ -125,11 +125,11 @@ def ignore_ctrl_c(worker_id):
 
 def prepare_dataloader(dataset, device, args):
     # workers start from a forkserver, not as forks of this rank, whose gloo or
-    # NCCL threads a fork can stall. It imports this file, so torch, once for
-    # all; the file's first line lets a Ctrl-C meanwhile end it quietly
+    # NCCL threads a fork can stall. It imports torch once for all
+    mp.set_forkserver_preload([Path(__file__).stem, "torch", "torchvision"])
     if args.workers:
-        mp.set_forkserver_preload([Path(__file__).stem])
-        # it finds the file in its current folder: started there
+        # started from this file's folder, the forkserver imports it first: its
+        # first line lets a Ctrl-C meanwhile end the forkserver quietly
         cwd = os.getcwd()
         os.chdir(Path(__file__).parent)
         forkserver.ensure_running()

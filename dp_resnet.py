@@ -69,11 +69,12 @@ def ignore_ctrl_c(worker_id):
 def prepare_dataloader(dataset, gpus, args):
     # the workers start from a forkserver, not as forks of this process: Python
     # loses a Ctrl-C that comes during a fork, and forking a CUDA process is slow.
-    # The forkserver imports this file, so torch, once for all; the file's first
-    # line lets a Ctrl-C meanwhile end it quietly
+    # The forkserver imports torch once for all
+    preload = [Path(__file__).stem, "torch", "torchvision"]
+    torch.multiprocessing.set_forkserver_preload(preload)
     if args.workers:
-        torch.multiprocessing.set_forkserver_preload([Path(__file__).stem])
-        # it finds the file in its current folder: started there
+        # started from this file's folder, the forkserver imports it first: its
+        # first line lets a Ctrl-C meanwhile end the forkserver quietly
         cwd = os.getcwd()
         os.chdir(Path(__file__).parent)
         forkserver.ensure_running()

@@ -181,7 +181,7 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
     (
         "ddp: workers import torch each epoch",
         "ddp_resnet.py",
-        [("        mp.set_forkserver_preload([Path(__file__).stem])\n", "")],
+        [('    mp.set_forkserver_preload([Path(__file__).stem, "torch", "torchvision"])\n', "")],
         "tests/test_resnet.py::test_loader_workers_come_from_a_forkserver_and_ignore_ctrl_c[ddp_resnet.py]",
     ),
     (
