@@ -15,8 +15,8 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-# Ctrl-C ends this process at once, quietly, until ddp_setup has joined the group
-# (a spawned rank runs this line too); then it raises KeyboardInterrupt
+# a Ctrl-C while torch imports (seconds) ends the process quietly; once the
+# group is up, ddp_setup makes Ctrl-C raise KeyboardInterrupt instead
 signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
@@ -40,11 +40,11 @@ def ddp_setup(local_rank, args):
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL: the GPU of this rank's collectives, barrier() too
+        # NCCL: binds this rank's communicator to its GPU, for barrier() too
         device_id=device if cuda else None,
     )
-    # the group is up: now Ctrl-C and SIGTERM raise KeyboardInterrupt (stop(), in
-    # the launching section), so that the rank unwinds and ends quietly
+    # from now on Ctrl-C and SIGTERM raise KeyboardInterrupt (stop(), in the
+    # launching section): the rank unwinds and ends quietly
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, stop)
     return device
@@ -102,17 +102,17 @@ def launch(main, args):
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # SIGTERM or Ctrl-C to this launcher: terminate_ranks passes it to the ranks
+        # a signal to the launcher alone reaches no rank: terminate_ranks passes it on
         for sig in signal.SIGINT, signal.SIGTERM:
             signal.signal(sig, terminate_ranks)
         processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-        # join=True would end the other ranks the moment one fails; this loop
-        # gives them 5 s to end on their own (rank 0 to print why)
+        # when a rank fails, the others get 5 s to end on their own (rank 0 to
+        # print why) before they are ended; join=True would end them at once
         while not processes.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: a failed rank has printed why; exit with its code. A negative
-        # code means a signal killed the rank: torch's error names the signal.
+        # optional: a rank failed and printed why: exit with its code. A rank that
+        # a signal killed has a negative code: torch's error then names the signal
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)
@@ -122,7 +122,7 @@ def launch(main, args):
 
 
 def terminate_ranks(*_):
-    """SIGTERM to each rank, then stop(). Python's exit waits for the ranks."""
+    """SIGTERM to each rank, then stop(); the launcher's exit waits for the ranks."""
     for process in mp.active_children():
         process.terminate()
     stop()
@@ -132,8 +132,7 @@ def stop(*_):
     """Ctrl-C or SIGTERM: raise KeyboardInterrupt, and ignore both from now on,
     so that a second Ctrl-C cannot cut the clean-up short."""
     for sig in signal.SIGINT, signal.SIGTERM:
-        # a handler that does nothing: SIG_IGN would print a warning for a
-        # signal already on its way
+        # not SIG_IGN, which prints a warning for a signal already on its way
         signal.signal(sig, lambda *_: None)
     raise KeyboardInterrupt
 

@@ -20,8 +20,8 @@ from datetime import timedelta
 from multiprocessing import forkserver
 from pathlib import Path
 
-# Ctrl-C ends this process at once, quietly, until ddp_setup has joined the group
-# (a spawned rank runs this line too); then it raises KeyboardInterrupt
+# a Ctrl-C while torch imports (seconds) ends the process quietly; once the
+# group is up, ddp_setup makes Ctrl-C raise KeyboardInterrupt instead
 signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
@@ -55,11 +55,11 @@ def ddp_setup(local_rank, args):
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL: the GPU of this rank's collectives, barrier() too
+        # NCCL: binds this rank's communicator to its GPU, for barrier() too
         device_id=device if cuda else None,
     )
-    # the group is up: now Ctrl-C and SIGTERM raise KeyboardInterrupt (stop(), in
-    # the launching section), so that the rank unwinds and ends quietly
+    # from now on Ctrl-C and SIGTERM raise KeyboardInterrupt (stop(), in the
+    # launching section): the rank unwinds and ends quietly
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, stop)
     return device
@@ -71,10 +71,9 @@ def print0(*args, **kwargs):
 
 
 def fail(message):
-    """Exit 1, rank 0 saying why. Every rank runs the same check on the same data,
-    so all exit together; one that went on would wait for the rest until --timeout."""
+    """For a check every rank makes alike: all exit 1 together, rank 0 saying why
+    (a rank that went on alone would wait for the others until --timeout)."""
     print0(f"error: {message}", file=sys.stderr)
-    # a rank that exits with the group open can abort ("terminate called ...")
     dist.destroy_process_group()
     sys.exit(1)
 
@@ -115,21 +114,21 @@ def build_model(args, num_classes):
     return models.get_model(args.arch, weights=None, num_classes=num_classes)
 
 
-def ignore_ctrl_c(worker_id):
-    """Loader workers leave Ctrl-C to the training process, which ends them."""
+def worker_init(worker_id):
+    """Each loader worker leaves Ctrl-C to its rank, which ends the workers."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # batches as named shared memory, not as file descriptors handed over a
-    # connection: a Ctrl-C that cut one printed this worker's traceback
+    # connection, which a Ctrl-C could cut (the worker's traceback then showed)
     torch.multiprocessing.set_sharing_strategy("file_system")
 
 
 def prepare_dataloader(dataset, device, args):
-    # workers start from a forkserver, not as forks of this rank, whose gloo or
-    # NCCL threads a fork can stall. It imports torch once for all
-    mp.set_forkserver_preload([Path(__file__).stem, "torch", "torchvision"])
     if args.workers:
-        # started from this file's folder, the forkserver imports it first: its
-        # first line lets a Ctrl-C meanwhile end the forkserver quietly
+        # workers start from a forkserver, not as forks of this rank, whose gloo
+        # or NCCL threads a fork can stall. It imports torch once for all workers
+        mp.set_forkserver_preload([Path(__file__).stem, "torch", "torchvision"])
+        # and this script first, found in its folder: its first line lets a
+        # Ctrl-C during those imports end the forkserver quietly
         cwd = os.getcwd()
         os.chdir(Path(__file__).parent)
         forkserver.ensure_running()
@@ -139,10 +138,10 @@ def prepare_dataloader(dataset, device, args):
         args.batch_size,
         # each rank its own shuffled share of the training set
         sampler=DistributedSampler(dataset, seed=args.seed),
-        # fixed: per rank; the tutorial's 4 * GPUs in each rank
+        # fixed: per rank; the tutorial's 4 * GPUs in each rank made 4 * GPUs² in all
         num_workers=args.workers,
         multiprocessing_context="forkserver" if args.workers else None,
-        worker_init_fn=ignore_ctrl_c,
+        worker_init_fn=worker_init,
         pin_memory=device.type == "cuda",
         # BatchNorm cannot train on a last batch of 1 image
         drop_last=True,
@@ -153,8 +152,8 @@ def train(model, dataloader, optimizer, device, epoch, args):
     """One epoch; the loss averaged over every rank, and images/s."""
     # fixed: without set_epoch every epoch has the same order
     dataloader.sampler.set_epoch(epoch)
-    # a seed per epoch and rank: if your model has dropout or your data random
-    # augmentation, a resumed run draws what an unbroken run drew
+    # a seed for each epoch and rank: a resumed run then draws the dropout and
+    # random augmentation that an unbroken run drew
     torch.manual_seed(args.seed + 1000 * epoch + dist.get_rank())
     global_batch = args.batch_size * dist.get_world_size()
     steps = len(dataloader)
@@ -196,8 +195,8 @@ def evaluate(model, val_set, device, args):
     # this rank's share, every world_size-th image: unlike a DistributedSampler,
     # it pads nothing, so each image is counted once
     share = Subset(val_set, range(dist.get_rank(), len(val_set), dist.get_world_size()))
-    # DDP sends rank 0's BatchNorm statistics to the others at each forward, so
-    # the last step left each rank its own: send them once more
+    # each rank's last forward updated its own BatchNorm statistics: take rank
+    # 0's, so that every rank scores the same model
     for buffer in model.module.buffers():
         dist.broadcast(buffer, src=0)
     correct = seen = 0
@@ -241,7 +240,8 @@ def save_model(epoch, model, optimizer, args):
             os.fsync(f.fileno())
         os.replace(tmp, file)
     except RuntimeError as e:
-        # Ctrl-C inside torch.save comes out of its zip writer as a RuntimeError
+        # a Ctrl-C inside torch.save comes out of it as a RuntimeError: raise it
+        # as the Ctrl-C it is
         if isinstance(e.__context__, KeyboardInterrupt):
             raise KeyboardInterrupt from None
         raise
@@ -262,20 +262,19 @@ def load_model(epoch, model, optimizer, device, args):
     ckpt = torch.load(file, map_location=device, weights_only=True)
     model.module.load_state_dict(ckpt["model_state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_state_dict"])
-    # --resume with a new --lr: the load above put the checkpoint's lr back
+    # the load put the checkpoint's lr back; the flag's wins (--resume, new --lr)
     for group in optimizer.param_groups:
         group["lr"] = args.lr
 
 
 def run_training_process_on_given_gpu(local_rank, args):
     device = ddp_setup(local_rank, args)
-    # --seed: the same synthetic images in every rank (the sampler splits them
-    # by index), and the same initial weights every run
+    # --seed: every rank makes the same synthetic images and takes the same
+    # --max-steps part (the sampler splits them); each run, the same weights
     torch.manual_seed(args.seed)
     train_set, val_set, num_classes = load_datasets(args)
     if args.max_steps:
-        # --max-steps: shorter epochs, over a random part of the data (the same
-        # on every rank: seeded above)
+        # --max-steps: shorter epochs, over a random part of the data
         keep = args.max_steps * args.batch_size * dist.get_world_size()
         train_set = Subset(train_set, torch.randperm(len(train_set))[:keep].tolist())
     loader = prepare_dataloader(train_set, device, args)
@@ -294,26 +293,27 @@ def run_training_process_on_given_gpu(local_rank, args):
     print_start(model, steps, len(train_set), first_epoch, device, args)
     # fixed: the tutorial's range(1, 30) ran 29 epochs
     epochs = range(first_epoch, args.epochs + 1)
-    results = {}
+    # the last epoch's figures; a resumed run with no epoch left has none
+    loss = rate = checkpoint = None
+    scores = {}
     for epoch in epochs:
-        # the tutorial's lesson: every rank loads what rank 0 saved last. In one
-        # run it holds those weights already; on --resume this is the real load
+        # the tutorial's lesson: every rank starts each epoch from the checkpoint
+        # rank 0 saved last (on --resume, from the newest in --ckpt-dir)
         if epoch > 1:
             load_model(epoch - 1, model, optimizer, device, args)
         loss, rate = train(model, loader, optimizer, device, epoch, args)
-        results.update(final_loss=loss, images_per_sec=rate)
         line = f"epoch {epoch}/{args.epochs} | loss {loss:.4f} | {rate:.0f} img/s"
         # fixed: global rank 0 saves; the tutorial's local rank 0 saved once a node
         if dist.get_rank() == 0:
-            results["checkpoint"] = save_model(epoch, model, optimizer, args)
+            checkpoint = save_model(epoch, model, optimizer, args)
         if val_set is not None:
-            results.update(evaluate(model, val_set, device, args))
-            line += f" | val_accuracy {results['val_accuracy']:.4f}"
-            line += f" ({results['val_samples']} images)"
+            scores = evaluate(model, val_set, device, args)
+            line += f" | val_accuracy {scores['val_accuracy']:.4f}"
+            line += f" ({scores['val_samples']} images)"
         print0(line)
-    results["epochs_run"] = len(epochs)
-    report(results, steps, device, args)
-    # DDP holds the group: free it first (torch 2.11 on gloo hung at exit)
+    results = dict(final_loss=loss, images_per_sec=rate, checkpoint=checkpoint)
+    report(dict(epochs_run=len(epochs), **results, **scores), steps, device, args)
+    # free DDP before the group, or gloo can hang at exit (torch 2.11)
     del model
     dist.destroy_process_group()
 
@@ -348,12 +348,11 @@ def print_start(model, steps, num_images, first_epoch, device, args):
 
 
 def report(results, steps, device, args):
-    """The done line, and rank 0's --metrics-out (JSON). A resumed run with no
-    epoch left has no final_loss and no checkpoint."""
+    """The done line, and rank 0's --metrics-out (JSON)."""
     print0(
         f"done | epochs_run {results['epochs_run']}"
-        f" | final_loss {results.get('final_loss')}"
-        f" | checkpoint {results.get('checkpoint')}"
+        f" | final_loss {results['final_loss']}"
+        f" | checkpoint {results['checkpoint']}"
     )
     if dist.get_rank() == 0 and args.metrics_out:
         results = dict(
@@ -385,17 +384,17 @@ def launch(main, args):
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # SIGTERM or Ctrl-C to this launcher: terminate_ranks passes it to the ranks
+        # a signal to the launcher alone reaches no rank: terminate_ranks passes it on
         for sig in signal.SIGINT, signal.SIGTERM:
             signal.signal(sig, terminate_ranks)
         processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-        # join=True would end the other ranks the moment one fails; this loop
-        # gives them 5 s to end on their own (rank 0 to print why)
+        # when a rank fails, the others get 5 s to end on their own (rank 0 to
+        # print why) before they are ended; join=True would end them at once
         while not processes.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: a failed rank has printed why; exit with its code. A negative
-        # code means a signal killed the rank: torch's error names the signal.
+        # optional: a rank failed and printed why: exit with its code. A rank that
+        # a signal killed has a negative code: torch's error then names the signal
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)
@@ -405,7 +404,7 @@ def launch(main, args):
 
 
 def terminate_ranks(*_):
-    """SIGTERM to each rank, then stop(). Python's exit waits for the ranks."""
+    """SIGTERM to each rank, then stop(); the launcher's exit waits for the ranks."""
     for process in mp.active_children():
         process.terminate()
     stop()
@@ -415,8 +414,7 @@ def stop(*_):
     """Ctrl-C or SIGTERM: raise KeyboardInterrupt, and ignore both from now on,
     so that a second Ctrl-C cannot cut the clean-up short."""
     for sig in signal.SIGINT, signal.SIGTERM:
-        # a handler that does nothing: SIG_IGN would print a warning for a
-        # signal already on its way
+        # not SIG_IGN, which prints a warning for a signal already on its way
         signal.signal(sig, lambda *_: None)
     raise KeyboardInterrupt
 
@@ -439,7 +437,7 @@ def parse_args():
     p.add_argument("--batch-size", type=positive, default=64, help="per rank")
     p.add_argument("--lr", type=float, default=0.01, help="SGD's")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--max-steps", type=positive, help="a shorter epoch")
+    p.add_argument("--max-steps", type=positive, help="cuts each epoch to N steps")
     p.add_argument("--data", help="an ImageFolder; without it, random images")
     p.add_argument("--val-data", help="an ImageFolder of --data's classes")
     p.add_argument("--image-size", type=positive, default=224)

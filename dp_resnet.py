@@ -58,11 +58,11 @@ def build_model(args, num_classes):
     return models.get_model(args.arch, weights=None, num_classes=num_classes)
 
 
-def ignore_ctrl_c(worker_id):
-    """Loader workers leave Ctrl-C to the training process, which ends them."""
+def worker_init(worker_id):
+    """Each loader worker leaves Ctrl-C to its rank, which ends the workers."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # batches as named shared memory, not as file descriptors handed over a
-    # connection: a Ctrl-C that cut one printed this worker's traceback
+    # connection, which a Ctrl-C could cut (the worker's traceback then showed)
     torch.multiprocessing.set_sharing_strategy("file_system")
 
 
@@ -87,7 +87,7 @@ def prepare_dataloader(dataset, gpus, args):
         shuffle=True,
         num_workers=args.workers,
         multiprocessing_context="forkserver" if args.workers else None,
-        worker_init_fn=ignore_ctrl_c,
+        worker_init_fn=worker_init,
         pin_memory=gpus > 0,
         # BatchNorm cannot train on a last batch of 1 image
         drop_last=True,
@@ -254,8 +254,7 @@ def stop(*_):
     """Ctrl-C or SIGTERM: raise KeyboardInterrupt, and ignore both from now on,
     so that a second Ctrl-C cannot cut the clean-up short."""
     for sig in signal.SIGINT, signal.SIGTERM:
-        # a handler that does nothing: SIG_IGN would print a warning for a
-        # signal already on its way
+        # not SIG_IGN, which prints a warning for a signal already on its way
         signal.signal(sig, lambda *_: None)
     raise KeyboardInterrupt
 
@@ -273,7 +272,7 @@ def parse_args():
     p.add_argument("--epochs", type=positive, default=30)
     p.add_argument("--batch-size", type=positive, default=64, help="split over GPUs")
     p.add_argument("--lr", type=float, default=0.01, help="SGD's")
-    p.add_argument("--max-steps", type=positive, help="a shorter epoch")
+    p.add_argument("--max-steps", type=positive, help="cuts each epoch to N steps")
     p.add_argument("--data", help="an ImageFolder; without it, random images")
     p.add_argument("--image-size", type=positive, default=224)
     # torchvision's classifiers, except two whose training output is a tuple

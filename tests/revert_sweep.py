@@ -160,8 +160,8 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         "ddp_resnet.py",
         [
             (
-                '        if dist.get_rank() == 0:\n            results["checkpoint"]',
-                '        if os.environ.get("LOCAL_RANK", "0") == "0":\n            results["checkpoint"]',
+                "        if dist.get_rank() == 0:\n            checkpoint = save_model",
+                '        if os.environ.get("LOCAL_RANK", "0") == "0":\n            checkpoint = save_model',
             )
         ],
         "tests/test_multinode.py::test_only_global_rank_0_writes_checkpoints",
@@ -181,19 +181,24 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
     (
         "ddp: workers import torch each epoch",
         "ddp_resnet.py",
-        [('    mp.set_forkserver_preload([Path(__file__).stem, "torch", "torchvision"])\n', "")],
+        [
+            (
+                '        mp.set_forkserver_preload([Path(__file__).stem, "torch", "torchvision"])\n',
+                "",
+            )
+        ],
         "tests/test_resnet.py::test_loader_workers_come_from_a_forkserver_and_ignore_ctrl_c[ddp_resnet.py]",
     ),
     (
         "ddp: workers die on Ctrl-C",
         "ddp_resnet.py",
-        [("        worker_init_fn=ignore_ctrl_c,\n", "")],
+        [("        worker_init_fn=worker_init,\n", "")],
         "tests/test_resnet.py::test_loader_workers_come_from_a_forkserver_and_ignore_ctrl_c[ddp_resnet.py]",
     ),
     (
         "dp: workers die on Ctrl-C",
         "dp_resnet.py",
-        [("        worker_init_fn=ignore_ctrl_c,\n", "")],
+        [("        worker_init_fn=worker_init,\n", "")],
         "tests/test_resnet.py::test_loader_workers_come_from_a_forkserver_and_ignore_ctrl_c[dp_resnet.py]",
     ),
     (

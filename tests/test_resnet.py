@@ -278,7 +278,7 @@ def test_dataparallel_lines_reach_a_log_file_as_they_are_printed(tmp_path):
 
 def started_workers(mark: str) -> list:
     """The run's loader workers (the processes a forkserver started) once their start has
-    run ignore_ctrl_c: SIGINT is among the signals they ignore."""
+    run worker_init: SIGINT is among the signals they ignore."""
     servers, workers = set(), []
     for pid in tagged(mark):
         try:

@@ -129,7 +129,7 @@ def section(text: str, start: str, end: str) -> str:
 
 
 def test_the_repeated_helpers_and_launching_are_the_same_in_every_script():
-    """Each file runs alone, so ddp_setup, print0, stop, positive, ignore_ctrl_c and the launching
+    """Each file runs alone, so ddp_setup, print0, stop, positive, worker_init and the launching
     section are copies: a fix proven through one script (the free port, the thread split, the backend)
     holds in all of them."""
     texts = {s: (ROOT / s).read_text() for s in SCRIPTS}
@@ -139,8 +139,8 @@ def test_the_repeated_helpers_and_launching_are_the_same_in_every_script():
         ("# --- launching", "# --- end of launching ---", DDP),
         ("def positive", "\n\n\n", SCRIPTS),
         ("def stop", "\n\n\n", SCRIPTS),
-        ("# Ctrl-C ends this process at once", "import torch", DDP),
-        ("def ignore_ctrl_c", "\n\n\n", ["dp_resnet.py", "ddp_resnet.py"]),
+        ("# a Ctrl-C while torch imports", "import torch", DDP),
+        ("def worker_init", "\n\n\n", ["dp_resnet.py", "ddp_resnet.py"]),
     ):
         copies = {s: section(texts[s], start, end) for s in scripts}
         assert len(set(copies.values())) == 1, f"the copies of {start!r} differ"
