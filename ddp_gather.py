@@ -35,7 +35,7 @@ def ddp_setup(local_rank, args):
     dist.init_process_group(
         # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on CPUs
         "nccl" if cuda else "gloo",
-        # torchrun sets RANK and WORLD_SIZE; spawned, local_rank is the rank
+        # torchrun sets RANK and WORLD_SIZE; spawned on one node, rank = local_rank
         rank=int(os.environ.get("RANK") or local_rank),
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
