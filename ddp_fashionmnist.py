@@ -47,13 +47,13 @@ def ddp_setup(local_rank, args):
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL: binds this rank's communicator to its GPU, for barrier() too
+        # NCCL: the group knows this rank's GPU from the start (barrier() uses it)
         device_id=device if cuda else None,
     )
-    # from now on Ctrl-C and SIGTERM raise KeyboardInterrupt (stop(), in the
+    # from now on Ctrl-C and SIGTERM raise KeyboardInterrupt (interrupt_once(), in the
     # launching section): the rank unwinds and ends quietly
     for sig in signal.SIGINT, signal.SIGTERM:
-        signal.signal(sig, stop)
+        signal.signal(sig, interrupt_once)
     return device
 
 
@@ -112,7 +112,7 @@ def train(model, train_loader, loss_function, optimizer, device, args):
         # fixed: without set_epoch every epoch has the same order
         train_loader.sampler.set_epoch(epoch)
         model.train()
-        # summed on the device, where all_reduce needs it (no .item() a step)
+        # a tensor on the device: all_reduce sums it, and no .item() waits each step
         running_loss = torch.zeros((), device=device)
         began = time.monotonic()
         for images, labels in train_loader:
@@ -125,7 +125,7 @@ def train(model, train_loader, loss_function, optimizer, device, args):
             running_loss += loss.detach() * len(labels)
         # fixed: the tutorial prints rank 0's loss alone; this sums every rank's
         dist.all_reduce(running_loss)
-        # the images of every rank's share, the sampler's padded repeats too
+        # every rank's share; DistributedSampler pads the shares to one length
         images_seen = len(train_loader.sampler) * dist.get_world_size()
         average_loss = running_loss.item() / images_seen
         rate = images_seen / (time.monotonic() - began)
@@ -186,7 +186,7 @@ def main(local_rank, args):
         f"done | test_accuracy {results['test_accuracy']:.4f}"
         f" ({results['test_samples']} images)"
     )
-    # --metrics-out: the results as JSON, for run_all.sh's table or your own
+    # --metrics-out: the results as JSON
     if dist.get_rank() == 0 and args.metrics_out:
         results = dict(
             script=Path(__file__).name,
@@ -201,7 +201,7 @@ def main(local_rank, args):
     dist.destroy_process_group()
 
 
-# --- launching: a copy needs all of it except the lines marked optional ---
+# --- launching: copy this section whole; the lines marked optional may go ---
 def launch(main, args):
     """Run main(local_rank, args) once in each rank."""
     try:
@@ -214,22 +214,22 @@ def launch(main, args):
         if not os.environ.get("OMP_NUM_THREADS"):
             threads = max(1, os.cpu_count() // args.nprocs)
             os.environ["OMP_NUM_THREADS"] = str(threads)
-        # fixed: a free port that the system picks, not the tutorial's 12355
+        # fixed: port 0 binds a free one that the system picks, not the tutorial's 12355
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # a signal to the launcher alone reaches no rank: terminate_ranks passes it on
+        # `kill PID` reaches this launcher alone (Ctrl-C, every process): pass it on
         for sig in signal.SIGINT, signal.SIGTERM:
             signal.signal(sig, terminate_ranks)
         processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-        # when a rank fails, the others get 5 s to end on their own (rank 0 to
-        # print why) before they are ended; join=True would end them at once
+        # join() is False until every rank has ended. When one fails, the others get
+        # 5 s to end on their own (rank 0 may be printing why) before torch ends them
         while not processes.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: a rank failed and printed why: exit with its code. A rank that
-        # a signal killed has a negative code: torch's error then names the signal
+        # optional: a rank that exited with a code (after its error) passes it on;
+        # one that a signal killed (code < 0): torch's error names the signal
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)
@@ -239,17 +239,18 @@ def launch(main, args):
 
 
 def terminate_ranks(*_):
-    """SIGTERM to each rank, then stop(); the launcher's exit waits for the ranks."""
+    """SIGTERM to each rank, then interrupt_once(). Python joins the ranks (not
+    daemons) before the launcher exits."""
     for process in mp.active_children():
         process.terminate()
-    stop()
+    interrupt_once()
 
 
-def stop(*_):
+def interrupt_once(*_):
     """Ctrl-C or SIGTERM: raise KeyboardInterrupt, and ignore both from now on,
     so that a second Ctrl-C cannot cut the clean-up short."""
     for sig in signal.SIGINT, signal.SIGTERM:
-        # not SIG_IGN, which prints a warning for a signal already on its way
+        # not SIG_IGN: SIGINT and SIGTERM at once then print "Signal 15 ignored"
         signal.signal(sig, lambda *_: None)
     raise KeyboardInterrupt
 

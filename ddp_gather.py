@@ -40,13 +40,13 @@ def ddp_setup(local_rank, args):
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL: binds this rank's communicator to its GPU, for barrier() too
+        # NCCL: the group knows this rank's GPU from the start (barrier() uses it)
         device_id=device if cuda else None,
     )
-    # from now on Ctrl-C and SIGTERM raise KeyboardInterrupt (stop(), in the
+    # from now on Ctrl-C and SIGTERM raise KeyboardInterrupt (interrupt_once(), in the
     # launching section): the rank unwinds and ends quietly
     for sig in signal.SIGINT, signal.SIGTERM:
-        signal.signal(sig, stop)
+        signal.signal(sig, interrupt_once)
     return device
 
 
@@ -56,8 +56,8 @@ def main(local_rank, args):
     world_size = dist.get_world_size()
     tensor = torch.ones(3, device=device) + rank
     data = {
-        # fixed: a CPU copy; the tutorial's CUDA tensor would unpickle in rank 0
-        # onto the GPU of the rank that sent it
+        # fixed: a CPU copy; the tutorial's CUDA tensor would arrive in rank 0 on
+        # the GPU of the rank that sent it (cuda:1, cuda:2, ...)
         "tensor": tensor.cpu(),
         # fixed: the tutorial's [1, 2, 3] + rank is a TypeError
         "list": [x + rank for x in [1, 2, 3]],
@@ -66,14 +66,14 @@ def main(local_rank, args):
     # room for one object from each rank, filled in rank order
     outputs = [None] * world_size
     dist.all_gather_object(outputs, data)
-    # tensors of one shape travel without pickle: for large or per-step data
+    # all_gather: no pickling (large or per-step data), one shape on every rank
     tensors = [torch.empty_like(tensor) for _ in range(world_size)]
     dist.all_gather(tensors, tensor)
     if rank == 0:
         print(outputs)
         print(f"all_gather: {[t.tolist() for t in tensors]}")
         print(f"done | gathered {world_size} objects | backend {dist.get_backend()}")
-    # --metrics-out: the results as JSON, for run_all.sh's table or your own
+    # --metrics-out: the results as JSON
     if rank == 0 and args.metrics_out:
         results = dict(
             script=Path(__file__).name, world_size=world_size, gathered=outputs
@@ -84,7 +84,7 @@ def main(local_rank, args):
     dist.destroy_process_group()
 
 
-# --- launching: a copy needs all of it except the lines marked optional ---
+# --- launching: copy this section whole; the lines marked optional may go ---
 def launch(main, args):
     """Run main(local_rank, args) once in each rank."""
     try:
@@ -97,22 +97,22 @@ def launch(main, args):
         if not os.environ.get("OMP_NUM_THREADS"):
             threads = max(1, os.cpu_count() // args.nprocs)
             os.environ["OMP_NUM_THREADS"] = str(threads)
-        # fixed: a free port that the system picks, not the tutorial's 12355
+        # fixed: port 0 binds a free one that the system picks, not the tutorial's 12355
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # a signal to the launcher alone reaches no rank: terminate_ranks passes it on
+        # `kill PID` reaches this launcher alone (Ctrl-C, every process): pass it on
         for sig in signal.SIGINT, signal.SIGTERM:
             signal.signal(sig, terminate_ranks)
         processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-        # when a rank fails, the others get 5 s to end on their own (rank 0 to
-        # print why) before they are ended; join=True would end them at once
+        # join() is False until every rank has ended. When one fails, the others get
+        # 5 s to end on their own (rank 0 may be printing why) before torch ends them
         while not processes.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: a rank failed and printed why: exit with its code. A rank that
-        # a signal killed has a negative code: torch's error then names the signal
+        # optional: a rank that exited with a code (after its error) passes it on;
+        # one that a signal killed (code < 0): torch's error names the signal
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)
@@ -122,17 +122,18 @@ def launch(main, args):
 
 
 def terminate_ranks(*_):
-    """SIGTERM to each rank, then stop(); the launcher's exit waits for the ranks."""
+    """SIGTERM to each rank, then interrupt_once(). Python joins the ranks (not
+    daemons) before the launcher exits."""
     for process in mp.active_children():
         process.terminate()
-    stop()
+    interrupt_once()
 
 
-def stop(*_):
+def interrupt_once(*_):
     """Ctrl-C or SIGTERM: raise KeyboardInterrupt, and ignore both from now on,
     so that a second Ctrl-C cannot cut the clean-up short."""
     for sig in signal.SIGINT, signal.SIGTERM:
-        # not SIG_IGN, which prints a warning for a signal already on its way
+        # not SIG_IGN: SIGINT and SIGTERM at once then print "Signal 15 ignored"
         signal.signal(sig, lambda *_: None)
     raise KeyboardInterrupt
 

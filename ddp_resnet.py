@@ -55,13 +55,13 @@ def ddp_setup(local_rank, args):
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL: binds this rank's communicator to its GPU, for barrier() too
+        # NCCL: the group knows this rank's GPU from the start (barrier() uses it)
         device_id=device if cuda else None,
     )
-    # from now on Ctrl-C and SIGTERM raise KeyboardInterrupt (stop(), in the
+    # from now on Ctrl-C and SIGTERM raise KeyboardInterrupt (interrupt_once(), in the
     # launching section): the rank unwinds and ends quietly
     for sig in signal.SIGINT, signal.SIGTERM:
-        signal.signal(sig, stop)
+        signal.signal(sig, interrupt_once)
     return device
 
 
@@ -95,8 +95,8 @@ def load_datasets(args):
         train = datasets.ImageFolder(args.data, transform=preprocess)
         classes = train.classes
     else:
-        # no --data: 256 random images, each its own class, 50 times over: a
-        # task the model can learn (the loss falls), 12,800 images an epoch
+        # no --data: 256 random images labelled by index, repeated 50 times: the
+        # model can learn them by heart, so the loss falls
         images = TensorDataset(torch.randn(256, 3, size, size), torch.arange(256))
         train = ConcatDataset([images] * 50)
         classes = list(range(256))
@@ -115,7 +115,7 @@ def build_model(args, num_classes):
 
 
 def worker_init(worker_id):
-    """Each loader worker leaves Ctrl-C to its rank, which ends the workers."""
+    """Each loader worker leaves Ctrl-C to the training process, which ends it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # batches as named shared memory, not as file descriptors handed over a
     # connection, which a Ctrl-C could cut (the worker's traceback then showed)
@@ -140,6 +140,7 @@ def prepare_dataloader(dataset, device, args):
         sampler=DistributedSampler(dataset, seed=args.seed),
         # fixed: per rank; the tutorial's 4 * GPUs in each rank made 4 * GPUs² in all
         num_workers=args.workers,
+        # (with no workers, DataLoader takes no context)
         multiprocessing_context="forkserver" if args.workers else None,
         worker_init_fn=worker_init,
         pin_memory=device.type == "cuda",
@@ -152,12 +153,12 @@ def train(model, dataloader, optimizer, device, epoch, args):
     """One epoch; the loss averaged over every rank, and images/s."""
     # fixed: without set_epoch every epoch has the same order
     dataloader.sampler.set_epoch(epoch)
-    # a seed for each epoch and rank: a resumed run then draws the dropout and
-    # random augmentation that an unbroken run drew
+    # a seed for each epoch and rank, so that --resume repeats an unbroken run's
+    # random draws (your model's dropout, your data's augmentation)
     torch.manual_seed(args.seed + 1000 * epoch + dist.get_rank())
     global_batch = args.batch_size * dist.get_world_size()
     steps = len(dataloader)
-    # summed on the device: .item() at every step would wait for it
+    # summed on the device: an .item() at every step would wait for the GPU
     loss_sum = torch.zeros((), device=device)
     began = last_print = time.monotonic()
     for step, (images, labels) in enumerate(dataloader, start=1):
@@ -175,12 +176,12 @@ def train(model, dataloader, optimizer, device, epoch, args):
         # a line every 10 steps, at the last, and at least every 30 s
         if step % 10 == 0 or step == steps or time.monotonic() - last_print > 30:
             # .item() waits for the GPU; read the clock after it
-            value = loss.item()
+            batch_loss = loss.item()
             now = time.monotonic()
             rate = step * global_batch / (now - began)
             print0(
                 f"epoch {epoch}/{args.epochs} | step {step}/{steps}"
-                f" | loss {value:.4f} | {rate:.0f} img/s"
+                f" | loss {batch_loss:.4f} | {rate:.0f} img/s"
             )
             last_print = now
     # fixed: the tutorial prints rank 0's loss alone; this is every rank's mean
@@ -236,7 +237,6 @@ def save_model(epoch, model, optimizer, args):
     try:
         with open(tmp, "wb") as f:
             torch.save(ckpt, f)
-            # on the disk before the rename makes it epoch_N.pt
             os.fsync(f.fileno())
         os.replace(tmp, file)
     except RuntimeError as e:
@@ -269,8 +269,8 @@ def load_model(epoch, model, optimizer, device, args):
 
 def run_training_process_on_given_gpu(local_rank, args):
     device = ddp_setup(local_rank, args)
-    # --seed: every rank makes the same synthetic images and takes the same
-    # --max-steps part (the sampler splits them); each run, the same weights
+    # one seed on every rank: the sampler splits indices, so each rank must hold
+    # the same synthetic images and --max-steps part; each run, the same weights
     torch.manual_seed(args.seed)
     train_set, val_set, num_classes = load_datasets(args)
     if args.max_steps:
@@ -293,7 +293,7 @@ def run_training_process_on_given_gpu(local_rank, args):
     print_start(model, steps, len(train_set), first_epoch, device, args)
     # fixed: the tutorial's range(1, 30) ran 29 epochs
     epochs = range(first_epoch, args.epochs + 1)
-    # the last epoch's figures; a resumed run with no epoch left has none
+    # what report() gets if no epoch runs (--resume after the last one)
     loss = rate = checkpoint = None
     scores = {}
     for epoch in epochs:
@@ -313,14 +313,14 @@ def run_training_process_on_given_gpu(local_rank, args):
         print0(line)
     results = dict(final_loss=loss, images_per_sec=rate, checkpoint=checkpoint)
     report(dict(epochs_run=len(epochs), **results, **scores), steps, device, args)
-    # free DDP before the group, or gloo can hang at exit (torch 2.11)
+    # free DDP before the group, or gloo may hang at exit (seen on torch 2.11)
     del model
     dist.destroy_process_group()
 
 
 def decide_first_epoch(device, args):
-    """Epoch 1, or with --resume the one after the newest checkpoint, as rank 0
-    sees --ckpt-dir: every rank starts at the same epoch."""
+    """Epoch 1, or with --resume the one after the newest checkpoint. Rank 0
+    decides: on several nodes, the ranks may see different --ckpt-dir files."""
     found = torch.tensor(newest_epoch(args), device=device)
     dist.broadcast(found, src=0)
     newest = found.item()
@@ -332,7 +332,6 @@ def decide_first_epoch(device, args):
 
 
 def print_start(model, steps, num_images, first_epoch, device, args):
-    """What runs where: the start line."""
     world_size = dist.get_world_size()
     line = (
         f"start | {Path(__file__).name} | world_size {world_size}"
@@ -366,7 +365,7 @@ def report(results, steps, device, args):
         Path(args.metrics_out).write_text(json.dumps(results, indent=1))
 
 
-# --- launching: a copy needs all of it except the lines marked optional ---
+# --- launching: copy this section whole; the lines marked optional may go ---
 def launch(main, args):
     """Run main(local_rank, args) once in each rank."""
     try:
@@ -379,22 +378,22 @@ def launch(main, args):
         if not os.environ.get("OMP_NUM_THREADS"):
             threads = max(1, os.cpu_count() // args.nprocs)
             os.environ["OMP_NUM_THREADS"] = str(threads)
-        # fixed: a free port that the system picks, not the tutorial's 12355
+        # fixed: port 0 binds a free one that the system picks, not the tutorial's 12355
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # a signal to the launcher alone reaches no rank: terminate_ranks passes it on
+        # `kill PID` reaches this launcher alone (Ctrl-C, every process): pass it on
         for sig in signal.SIGINT, signal.SIGTERM:
             signal.signal(sig, terminate_ranks)
         processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-        # when a rank fails, the others get 5 s to end on their own (rank 0 to
-        # print why) before they are ended; join=True would end them at once
+        # join() is False until every rank has ended. When one fails, the others get
+        # 5 s to end on their own (rank 0 may be printing why) before torch ends them
         while not processes.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: a rank failed and printed why: exit with its code. A rank that
-        # a signal killed has a negative code: torch's error then names the signal
+        # optional: a rank that exited with a code (after its error) passes it on;
+        # one that a signal killed (code < 0): torch's error names the signal
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)
@@ -404,17 +403,18 @@ def launch(main, args):
 
 
 def terminate_ranks(*_):
-    """SIGTERM to each rank, then stop(); the launcher's exit waits for the ranks."""
+    """SIGTERM to each rank, then interrupt_once(). Python joins the ranks (not
+    daemons) before the launcher exits."""
     for process in mp.active_children():
         process.terminate()
-    stop()
+    interrupt_once()
 
 
-def stop(*_):
+def interrupt_once(*_):
     """Ctrl-C or SIGTERM: raise KeyboardInterrupt, and ignore both from now on,
     so that a second Ctrl-C cannot cut the clean-up short."""
     for sig in signal.SIGINT, signal.SIGTERM:
-        # not SIG_IGN, which prints a warning for a signal already on its way
+        # not SIG_IGN: SIGINT and SIGTERM at once then print "Signal 15 ignored"
         signal.signal(sig, lambda *_: None)
     raise KeyboardInterrupt
 
@@ -435,7 +435,7 @@ def parse_args():
     p.add_argument("--metrics-out", help="rank 0 writes the results as JSON")
     p.add_argument("--epochs", type=positive, default=30)
     p.add_argument("--batch-size", type=positive, default=64, help="per rank")
-    p.add_argument("--lr", type=float, default=0.01, help="SGD's")
+    p.add_argument("--lr", type=float, default=0.01, help="learning rate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-steps", type=positive, help="cuts each epoch to N steps")
     p.add_argument("--data", help="an ImageFolder; without it, random images")

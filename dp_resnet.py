@@ -59,7 +59,7 @@ def build_model(args, num_classes):
 
 
 def worker_init(worker_id):
-    """Each loader worker leaves Ctrl-C to its rank, which ends the workers."""
+    """Each loader worker leaves Ctrl-C to the training process, which ends it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # batches as named shared memory, not as file descriptors handed over a
     # connection, which a Ctrl-C could cut (the worker's traceback then showed)
@@ -106,11 +106,11 @@ class Bf16Autocast(torch.nn.Sequential):
 
 def train(model, dataloader, optimizer, device, epoch, args):
     """One epoch: its mean loss, and images/s."""
-    # seeded by the epoch, a resumed run shuffles as an unbroken run did (and
-    # seeds the workers and your model's dropout alike)
+    # seeded by the epoch: a resumed run shuffles as an unbroken run did, and
+    # draws the same random augmentation (and dropout, in your model)
     torch.manual_seed(epoch)
     steps = len(dataloader)
-    # summed on the device: .item() at every step would wait for it
+    # summed on the device: an .item() at every step would wait for the GPU
     loss_sum = torch.zeros((), device=device)
     began = last_print = time.monotonic()
     for step, (images, labels) in enumerate(dataloader, start=1):
@@ -203,8 +203,8 @@ def run_training(gpus, train_set, num_classes, args):
     params = model.parameters()
     optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9, weight_decay=1e-4)
     steps = len(dataloader)
-    # epoch 1, or with --resume the one after the newest checkpoint (a used
-    # folder without --resume was refused)
+    # epoch 1, or with --resume the one after the newest checkpoint (__main__
+    # refused a used folder without --resume)
     first_epoch = newest_epoch(args) + 1
     line = (
         f"start | {Path(__file__).name} | gpus {gpus} | device {device}"
@@ -233,7 +233,7 @@ def run_training(gpus, train_set, num_classes, args):
 
 
 def report(results, steps, gpus, device, args):
-    """The done line, and --metrics-out (JSON, for run_all.sh's table)."""
+    """The done line, and --metrics-out: the results as JSON."""
     print(
         f"done | epochs_run {results['epochs_run']}"
         f" | final_loss {results.get('final_loss')}"
@@ -250,11 +250,11 @@ def report(results, steps, gpus, device, args):
         Path(args.metrics_out).write_text(json.dumps(results, indent=1))
 
 
-def stop(*_):
+def interrupt_once(*_):
     """Ctrl-C or SIGTERM: raise KeyboardInterrupt, and ignore both from now on,
     so that a second Ctrl-C cannot cut the clean-up short."""
     for sig in signal.SIGINT, signal.SIGTERM:
-        # not SIG_IGN, which prints a warning for a signal already on its way
+        # not SIG_IGN: SIGINT and SIGTERM at once then print "Signal 15 ignored"
         signal.signal(sig, lambda *_: None)
     raise KeyboardInterrupt
 
@@ -271,7 +271,7 @@ def parse_args():
     p.add_argument("--metrics-out", help="write the results as JSON")
     p.add_argument("--epochs", type=positive, default=30)
     p.add_argument("--batch-size", type=positive, default=64, help="split over GPUs")
-    p.add_argument("--lr", type=float, default=0.01, help="SGD's")
+    p.add_argument("--lr", type=float, default=0.01, help="learning rate")
     p.add_argument("--max-steps", type=positive, help="cuts each epoch to N steps")
     p.add_argument("--data", help="an ImageFolder; without it, random images")
     p.add_argument("--image-size", type=positive, default=224)
@@ -316,7 +316,7 @@ if __name__ == "__main__":
         sys.exit(f"error: {len(train_set)} images, too few for one batch")
     # now Ctrl-C, and SIGTERM, raise KeyboardInterrupt: a save removes its .tmp
     for sig in signal.SIGINT, signal.SIGTERM:
-        signal.signal(sig, stop)
+        signal.signal(sig, interrupt_once)
     try:
         # CUDA_VISIBLE_DEVICES chooses the GPUs
         gpus = 0 if args.cpu else torch.cuda.device_count()
