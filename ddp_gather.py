@@ -40,7 +40,7 @@ def ddp_setup(local_rank, args):
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL: the group knows this rank's GPU from the start (barrier() uses it)
+        # NCCL: bind this rank's GPU to the group now, so barrier() need not guess it
         device_id=device if cuda else None,
     )
     # from now on Ctrl-C and SIGTERM raise KeyboardInterrupt (interrupt_once(), in the
@@ -93,7 +93,7 @@ def launch(main, args):
             local_rank = int(os.environ.get("LOCAL_RANK") or 0)
             # optional: record adds this rank's traceback to torchrun's report
             return record(main)(local_rank, args)
-        # optional, fixed: each spawned rank gets its share of the cores, not all
+        # optional, fixed: a share of the cores for each spawned rank (torch's: all)
         if not os.environ.get("OMP_NUM_THREADS"):
             threads = max(1, os.cpu_count() // args.nprocs)
             os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -102,7 +102,7 @@ def launch(main, args):
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # `kill PID` reaches this launcher alone (Ctrl-C, every process): pass it on
+        # Ctrl-C reaches every process, `kill PID` this launcher alone: pass it on
         for sig in signal.SIGINT, signal.SIGTERM:
             signal.signal(sig, terminate_ranks)
         processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
@@ -111,8 +111,8 @@ def launch(main, args):
         while not processes.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: a rank that exited with a code (after its error) passes it on;
-        # one that a signal killed (code < 0): torch's error names the signal
+        # optional: a rank that exited with code N (1 after its error) passes N on;
+        # one that a signal killed (N < 0): re-raise, torch's error names the signal
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)
@@ -122,8 +122,8 @@ def launch(main, args):
 
 
 def terminate_ranks(*_):
-    """SIGTERM to each rank, then interrupt_once(). Python joins the ranks (not
-    daemons) before the launcher exits."""
+    """SIGTERM to each rank, then interrupt_once(). The ranks are not daemons, so
+    Python waits for them before the launcher exits."""
     for process in mp.active_children():
         process.terminate()
     interrupt_once()
@@ -133,7 +133,7 @@ def interrupt_once(*_):
     """Ctrl-C or SIGTERM: raise KeyboardInterrupt, and ignore both from now on,
     so that a second Ctrl-C cannot cut the clean-up short."""
     for sig in signal.SIGINT, signal.SIGTERM:
-        # not SIG_IGN: SIGINT and SIGTERM at once then print "Signal 15 ignored"
+        # not SIG_IGN: Python would print "Signal 15 ignored due to race condition"
         signal.signal(sig, lambda *_: None)
     raise KeyboardInterrupt
 

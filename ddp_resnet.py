@@ -55,7 +55,7 @@ def ddp_setup(local_rank, args):
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL: the group knows this rank's GPU from the start (barrier() uses it)
+        # NCCL: bind this rank's GPU to the group now, so barrier() need not guess it
         device_id=device if cuda else None,
     )
     # from now on Ctrl-C and SIGTERM raise KeyboardInterrupt (interrupt_once(), in the
@@ -71,8 +71,8 @@ def print0(*args, **kwargs):
 
 
 def fail(message):
-    """For a check every rank makes alike: all exit 1 together, rank 0 saying why
-    (a rank that went on alone would wait for the others until --timeout)."""
+    """An error every rank finds alike: all exit 1 together, rank 0 saying why (a
+    rank that exited alone would leave the others waiting until --timeout)."""
     print0(f"error: {message}", file=sys.stderr)
     dist.destroy_process_group()
     sys.exit(1)
@@ -92,21 +92,21 @@ def load_datasets(args):
     )
     if args.data:
         # fixed: the tutorial's `ImageFolder(root=, ...)` is a SyntaxError
-        train = datasets.ImageFolder(args.data, transform=preprocess)
-        classes = train.classes
+        train_set = datasets.ImageFolder(args.data, transform=preprocess)
+        classes = train_set.classes
     else:
         # no --data: 256 random images labelled by index, repeated 50 times: the
         # model can learn them by heart, so the loss falls
         images = TensorDataset(torch.randn(256, 3, size, size), torch.arange(256))
-        train = ConcatDataset([images] * 50)
+        train_set = ConcatDataset([images] * 50)
         classes = list(range(256))
-    val = None
+    val_set = None
     if args.val_data:
-        val = datasets.ImageFolder(args.val_data, transform=preprocess)
+        val_set = datasets.ImageFolder(args.val_data, transform=preprocess)
         # the same classes in the same order, or the labels mean other things
-        if val.classes != classes:
+        if val_set.classes != classes:
             fail(f"--val-data {args.val_data}: its classes are not --data's")
-    return train, val, len(classes)
+    return train_set, val_set, len(classes)
 
 
 def build_model(args, num_classes):
@@ -124,11 +124,11 @@ def worker_init(worker_id):
 
 def prepare_dataloader(dataset, device, args):
     if args.workers:
-        # workers start from a forkserver, not as forks of this rank, whose gloo
-        # or NCCL threads a fork can stall. It imports torch once for all workers
+        # workers start from a forkserver, not as forks of this rank, whose gloo or
+        # NCCL threads a fork can stall. It imports torch once for all workers, and
+        # this script first (from the script's folder): the SIGINT line at its top
+        # keeps a Ctrl-C during those imports quiet
         mp.set_forkserver_preload([Path(__file__).stem, "torch", "torchvision"])
-        # and this script first, found in its folder: its first line lets a
-        # Ctrl-C during those imports end the forkserver quietly
         cwd = os.getcwd()
         os.chdir(Path(__file__).parent)
         forkserver.ensure_running()
@@ -196,8 +196,8 @@ def evaluate(model, val_set, device, args):
     # this rank's share, every world_size-th image: unlike a DistributedSampler,
     # it pads nothing, so each image is counted once
     share = Subset(val_set, range(dist.get_rank(), len(val_set), dist.get_world_size()))
-    # each rank's last forward updated its own BatchNorm statistics: take rank
-    # 0's, so that every rank scores the same model
+    # DDP sends rank 0's buffers at the start of each forward, and then each rank's
+    # BatchNorm updates its own: take rank 0's, so every rank scores one model
     for buffer in model.module.buffers():
         dist.broadcast(buffer, src=0)
     correct = seen = 0
@@ -262,7 +262,7 @@ def load_model(epoch, model, optimizer, device, args):
     ckpt = torch.load(file, map_location=device, weights_only=True)
     model.module.load_state_dict(ckpt["model_state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_state_dict"])
-    # the load put the checkpoint's lr back; the flag's wins (--resume, new --lr)
+    # --lr overrides the lr the checkpoint stored (--resume with a new --lr)
     for group in optimizer.param_groups:
         group["lr"] = args.lr
 
@@ -274,12 +274,10 @@ def run_training_process_on_given_gpu(local_rank, args):
     torch.manual_seed(args.seed)
     train_set, val_set, num_classes = load_datasets(args)
     if args.max_steps:
-        # --max-steps: shorter epochs, over a random part of the data
         keep = args.max_steps * args.batch_size * dist.get_world_size()
         train_set = Subset(train_set, torch.randperm(len(train_set))[:keep].tolist())
     loader = prepare_dataloader(train_set, device, args)
     steps = len(loader)
-    # fewer images than one global batch: drop_last leaves no step
     if steps == 0:
         fail(f"{len(train_set)} images: too few for --batch-size {args.batch_size}")
     first_epoch = decide_first_epoch(device, args)
@@ -294,7 +292,7 @@ def run_training_process_on_given_gpu(local_rank, args):
     # fixed: the tutorial's range(1, 30) ran 29 epochs
     epochs = range(first_epoch, args.epochs + 1)
     # what report() gets if no epoch runs (--resume after the last one)
-    loss = rate = checkpoint = None
+    loss = rate = saved = None
     scores = {}
     for epoch in epochs:
         # the tutorial's lesson: every rank starts each epoch from the checkpoint
@@ -305,14 +303,16 @@ def run_training_process_on_given_gpu(local_rank, args):
         line = f"epoch {epoch}/{args.epochs} | loss {loss:.4f} | {rate:.0f} img/s"
         # fixed: global rank 0 saves; the tutorial's local rank 0 saved once a node
         if dist.get_rank() == 0:
-            checkpoint = save_model(epoch, model, optimizer, args)
+            saved = save_model(epoch, model, optimizer, args)
         if val_set is not None:
             scores = evaluate(model, val_set, device, args)
             line += f" | val_accuracy {scores['val_accuracy']:.4f}"
             line += f" ({scores['val_samples']} images)"
         print0(line)
-    results = dict(final_loss=loss, images_per_sec=rate, checkpoint=checkpoint)
-    report(dict(epochs_run=len(epochs), **results, **scores), steps, device, args)
+    results = dict(
+        epochs_run=len(epochs), final_loss=loss, images_per_sec=rate, checkpoint=saved
+    )
+    report(results | scores, steps, device, args)
     # free DDP before the group, or gloo may hang at exit (seen on torch 2.11)
     del model
     dist.destroy_process_group()
@@ -354,7 +354,7 @@ def report(results, steps, device, args):
         f" | checkpoint {results['checkpoint']}"
     )
     if dist.get_rank() == 0 and args.metrics_out:
-        results = dict(
+        metrics = dict(
             script=Path(__file__).name,
             world_size=dist.get_world_size(),
             backend=dist.get_backend(),
@@ -362,7 +362,7 @@ def report(results, steps, device, args):
             steps=steps,
             **results,
         )
-        Path(args.metrics_out).write_text(json.dumps(results, indent=1))
+        Path(args.metrics_out).write_text(json.dumps(metrics, indent=1))
 
 
 # --- launching: copy this section whole; the lines marked optional may go ---
@@ -374,7 +374,7 @@ def launch(main, args):
             local_rank = int(os.environ.get("LOCAL_RANK") or 0)
             # optional: record adds this rank's traceback to torchrun's report
             return record(main)(local_rank, args)
-        # optional, fixed: each spawned rank gets its share of the cores, not all
+        # optional, fixed: a share of the cores for each spawned rank (torch's: all)
         if not os.environ.get("OMP_NUM_THREADS"):
             threads = max(1, os.cpu_count() // args.nprocs)
             os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -383,7 +383,7 @@ def launch(main, args):
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # `kill PID` reaches this launcher alone (Ctrl-C, every process): pass it on
+        # Ctrl-C reaches every process, `kill PID` this launcher alone: pass it on
         for sig in signal.SIGINT, signal.SIGTERM:
             signal.signal(sig, terminate_ranks)
         processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
@@ -392,8 +392,8 @@ def launch(main, args):
         while not processes.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: a rank that exited with a code (after its error) passes it on;
-        # one that a signal killed (code < 0): torch's error names the signal
+        # optional: a rank that exited with code N (1 after its error) passes N on;
+        # one that a signal killed (N < 0): re-raise, torch's error names the signal
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)
@@ -403,8 +403,8 @@ def launch(main, args):
 
 
 def terminate_ranks(*_):
-    """SIGTERM to each rank, then interrupt_once(). Python joins the ranks (not
-    daemons) before the launcher exits."""
+    """SIGTERM to each rank, then interrupt_once(). The ranks are not daemons, so
+    Python waits for them before the launcher exits."""
     for process in mp.active_children():
         process.terminate()
     interrupt_once()
@@ -414,7 +414,7 @@ def interrupt_once(*_):
     """Ctrl-C or SIGTERM: raise KeyboardInterrupt, and ignore both from now on,
     so that a second Ctrl-C cannot cut the clean-up short."""
     for sig in signal.SIGINT, signal.SIGTERM:
-        # not SIG_IGN: SIGINT and SIGTERM at once then print "Signal 15 ignored"
+        # not SIG_IGN: Python would print "Signal 15 ignored due to race condition"
         signal.signal(sig, lambda *_: None)
     raise KeyboardInterrupt
 

@@ -179,7 +179,7 @@ def load_model(epoch, net, optimizer, device, args):
     ckpt = torch.load(file, map_location=device, weights_only=True)
     net.load_state_dict(ckpt["model_state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_state_dict"])
-    # the load restored the checkpoint's lr; --lr wins, so --resume can change it
+    # --lr overrides the lr the checkpoint stored (--resume with a new --lr)
     for group in optimizer.param_groups:
         group["lr"] = args.lr
 
@@ -254,7 +254,7 @@ def interrupt_once(*_):
     """Ctrl-C or SIGTERM: raise KeyboardInterrupt, and ignore both from now on,
     so that a second Ctrl-C cannot cut the clean-up short."""
     for sig in signal.SIGINT, signal.SIGTERM:
-        # not SIG_IGN: SIGINT and SIGTERM at once then print "Signal 15 ignored"
+        # not SIG_IGN: Python would print "Signal 15 ignored due to race condition"
         signal.signal(sig, lambda *_: None)
     raise KeyboardInterrupt
 

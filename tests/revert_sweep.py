@@ -160,8 +160,8 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         "ddp_resnet.py",
         [
             (
-                "        if dist.get_rank() == 0:\n            checkpoint = save_model",
-                '        if os.environ.get("LOCAL_RANK", "0") == "0":\n            checkpoint = save_model',
+                "        if dist.get_rank() == 0:\n            saved = save_model",
+                '        if os.environ.get("LOCAL_RANK", "0") == "0":\n            saved = save_model',
             )
         ],
         "tests/test_multinode.py::test_only_global_rank_0_writes_checkpoints",
