@@ -188,7 +188,7 @@ def main(local_rank, args):
     )
     # --metrics-out: the results as JSON
     if dist.get_rank() == 0 and args.metrics_out:
-        results = dict(
+        metrics = dict(
             script=Path(__file__).name,
             world_size=world_size,
             backend=dist.get_backend(),
@@ -197,7 +197,7 @@ def main(local_rank, args):
             final_loss=loss,
             **results,
         )
-        Path(args.metrics_out).write_text(json.dumps(results, indent=1))
+        Path(args.metrics_out).write_text(json.dumps(metrics, indent=1))
     dist.destroy_process_group()
 
 

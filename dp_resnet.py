@@ -67,14 +67,13 @@ def worker_init(worker_id):
 
 
 def prepare_dataloader(dataset, gpus, args):
-    # the workers start from a forkserver, not as forks of this process: Python
-    # loses a Ctrl-C that comes during a fork, and forking a CUDA process is slow.
-    # The forkserver imports torch once for all
-    preload = [Path(__file__).stem, "torch", "torchvision"]
-    torch.multiprocessing.set_forkserver_preload(preload)
     if args.workers:
-        # started from this file's folder, the forkserver imports it first: its
-        # first line lets a Ctrl-C meanwhile end the forkserver quietly
+        # workers start from a forkserver, not as forks of this process: Python
+        # loses a Ctrl-C that comes during a fork, and forking a CUDA process is
+        # slow. It imports torch once for all workers, and this script first (from
+        # the script's folder): the SIGINT line at its top keeps a Ctrl-C quiet
+        preload = [Path(__file__).stem, "torch", "torchvision"]
+        torch.multiprocessing.set_forkserver_preload(preload)
         cwd = os.getcwd()
         os.chdir(Path(__file__).parent)
         forkserver.ensure_running()
@@ -240,14 +239,14 @@ def report(results, steps, gpus, device, args):
         f" | checkpoint {results.get('checkpoint')}"
     )
     if args.metrics_out:
-        results = dict(
+        metrics = dict(
             script=Path(__file__).name,
             world_size=max(gpus, 1),
             device=device.type,
             steps=steps,
             **results,
         )
-        Path(args.metrics_out).write_text(json.dumps(results, indent=1))
+        Path(args.metrics_out).write_text(json.dumps(metrics, indent=1))
 
 
 def interrupt_once(*_):
