@@ -18,8 +18,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-# a Ctrl-C while torch imports (seconds) ends the process quietly; once the
-# group is up, ddp_setup makes Ctrl-C raise KeyboardInterrupt instead
+# Python's own Ctrl-C handler would print a traceback from inside `import torch`
+# (seconds): until ddp_setup, Ctrl-C ends this process at once, quietly
 signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
@@ -39,6 +39,7 @@ def ddp_setup(local_rank, args):
     if cuda:
         # before the first collective, or every rank would use cuda:0
         torch.cuda.set_device(device)
+    # MASTER_ADDR and MASTER_PORT: set by torchrun, or by launch() before the spawn
     dist.init_process_group(
         # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on CPUs
         "nccl" if cuda else "gloo",
@@ -47,11 +48,11 @@ def ddp_setup(local_rank, args):
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL: bind this rank's GPU to the group now, so barrier() need not guess it
+        # NCCL: this rank's GPU, bound to the group (barrier() warns without it)
         device_id=device if cuda else None,
     )
-    # from now on Ctrl-C and SIGTERM raise KeyboardInterrupt (interrupt_once(), in the
-    # launching section): the rank unwinds and ends quietly
+    # the group is up: now Ctrl-C and SIGTERM raise KeyboardInterrupt (interrupt_once,
+    # in the launching section), so that the rank unwinds and ends quietly
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, interrupt_once)
     return device
@@ -125,7 +126,7 @@ def train(model, train_loader, loss_function, optimizer, device, args):
             running_loss += loss.detach() * len(labels)
         # fixed: the tutorial prints rank 0's loss alone; this sums every rank's
         dist.all_reduce(running_loss)
-        # every rank's share; DistributedSampler pads the shares to one length
+        # the images trained on: DistributedSampler gave each rank an equal share
         images_seen = len(train_loader.sampler) * dist.get_world_size()
         average_loss = running_loss.item() / images_seen
         rate = images_seen / (time.monotonic() - began)
@@ -158,12 +159,12 @@ def test(model, test_set, device, batch_size):
 
 def main(local_rank, args):
     device = ddp_setup(local_rank, args)
-    # fixed: every rank downloaded at once. Local rank 0 loads (and downloads)
-    # first; the other ranks wait at the barrier, then read its files.
-    if local_rank > 0:
-        dist.barrier()
     # seed 0: the same synthetic data in every rank, the same weights every run
     torch.manual_seed(0)
+    # fixed: every rank downloaded at once. Local rank 0 loads (and downloads)
+    # first while the others wait in barrier(); its own barrier() lets them go
+    if local_rank > 0:
+        dist.barrier()
     train_set, test_set = load_datasets(args)
     if local_rank == 0:
         dist.barrier()
@@ -186,7 +187,6 @@ def main(local_rank, args):
         f"done | test_accuracy {results['test_accuracy']:.4f}"
         f" ({results['test_samples']} images)"
     )
-    # --metrics-out: the results as JSON
     if dist.get_rank() == 0 and args.metrics_out:
         metrics = dict(
             script=Path(__file__).name,
@@ -210,26 +210,26 @@ def launch(main, args):
             local_rank = int(os.environ.get("LOCAL_RANK") or 0)
             # optional: record adds this rank's traceback to torchrun's report
             return record(main)(local_rank, args)
-        # optional, fixed: a share of the cores for each spawned rank (torch's: all)
+        # optional, fixed: each spawned rank its share of the cores, not all of them
         if not os.environ.get("OMP_NUM_THREADS"):
             threads = max(1, os.cpu_count() // args.nprocs)
             os.environ["OMP_NUM_THREADS"] = str(threads)
-        # fixed: port 0 binds a free one that the system picks, not the tutorial's 12355
+        # fixed: a free port, not the tutorial's 12355 (binding port 0 picks one)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # Ctrl-C reaches every process, `kill PID` this launcher alone: pass it on
+        # `kill PID` reaches only this launcher, Ctrl-C all: on either, stop the ranks
         for sig in signal.SIGINT, signal.SIGTERM:
             signal.signal(sig, terminate_ranks)
         processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-        # join() is False until every rank has ended. When one fails, the others get
-        # 5 s to end on their own (rank 0 may be printing why) before torch ends them
+        # each join() waits for a rank to end; it is True once all have. When one
+        # fails, the others get 5 s to end on their own before torch ends them
         while not processes.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: a rank that exited with code N (1 after its error) passes N on;
-        # one that a signal killed (N < 0): re-raise, torch's error names the signal
+        # optional: a rank's sys.exit(N) (a refusal: 1) passes N on; for a rank a
+        # signal killed (N < 0), re-raise: torch's error names the signal
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)
@@ -238,20 +238,20 @@ def launch(main, args):
         sys.exit(130)
 
 
-def terminate_ranks(*_):
-    """SIGTERM to each rank, then interrupt_once(). The ranks are not daemons, so
-    Python waits for them before the launcher exits."""
+def terminate_ranks(signum, frame):
+    """SIGTERM to each rank, then interrupt_once(); the launcher exits only
+    after its ranks."""
     for process in mp.active_children():
         process.terminate()
-    interrupt_once()
+    interrupt_once(signum, frame)
 
 
-def interrupt_once(*_):
+def interrupt_once(signum, frame):
     """Ctrl-C or SIGTERM: raise KeyboardInterrupt, and ignore both from now on,
     so that a second Ctrl-C cannot cut the clean-up short."""
     for sig in signal.SIGINT, signal.SIGTERM:
-        # not SIG_IGN: Python would print "Signal 15 ignored due to race condition"
-        signal.signal(sig, lambda *_: None)
+        # a handler that does nothing: SIG_IGN can print a "race condition" warning
+        signal.signal(sig, lambda signum, frame: None)
     raise KeyboardInterrupt
 
 

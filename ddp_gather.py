@@ -15,8 +15,8 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-# a Ctrl-C while torch imports (seconds) ends the process quietly; once the
-# group is up, ddp_setup makes Ctrl-C raise KeyboardInterrupt instead
+# Python's own Ctrl-C handler would print a traceback from inside `import torch`
+# (seconds): until ddp_setup, Ctrl-C ends this process at once, quietly
 signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
@@ -32,6 +32,7 @@ def ddp_setup(local_rank, args):
     if cuda:
         # before the first collective, or every rank would use cuda:0
         torch.cuda.set_device(device)
+    # MASTER_ADDR and MASTER_PORT: set by torchrun, or by launch() before the spawn
     dist.init_process_group(
         # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on CPUs
         "nccl" if cuda else "gloo",
@@ -40,11 +41,11 @@ def ddp_setup(local_rank, args):
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL: bind this rank's GPU to the group now, so barrier() need not guess it
+        # NCCL: this rank's GPU, bound to the group (barrier() warns without it)
         device_id=device if cuda else None,
     )
-    # from now on Ctrl-C and SIGTERM raise KeyboardInterrupt (interrupt_once(), in the
-    # launching section): the rank unwinds and ends quietly
+    # the group is up: now Ctrl-C and SIGTERM raise KeyboardInterrupt (interrupt_once,
+    # in the launching section), so that the rank unwinds and ends quietly
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, interrupt_once)
     return device
@@ -66,14 +67,14 @@ def main(local_rank, args):
     # room for one object from each rank, filled in rank order
     outputs = [None] * world_size
     dist.all_gather_object(outputs, data)
-    # all_gather: no pickling (large or per-step data), one shape on every rank
+    # all_gather: no pickling, for large or per-step tensors of one shape on every rank
     tensors = [torch.empty_like(tensor) for _ in range(world_size)]
     dist.all_gather(tensors, tensor)
     if rank == 0:
         print(outputs)
         print(f"all_gather: {[t.tolist() for t in tensors]}")
         print(f"done | gathered {world_size} objects | backend {dist.get_backend()}")
-    # --metrics-out: the results as JSON
+    # --metrics-out FILE: the results as JSON, for a program to read
     if rank == 0 and args.metrics_out:
         results = dict(
             script=Path(__file__).name, world_size=world_size, gathered=outputs
@@ -93,26 +94,26 @@ def launch(main, args):
             local_rank = int(os.environ.get("LOCAL_RANK") or 0)
             # optional: record adds this rank's traceback to torchrun's report
             return record(main)(local_rank, args)
-        # optional, fixed: a share of the cores for each spawned rank (torch's: all)
+        # optional, fixed: each spawned rank its share of the cores, not all of them
         if not os.environ.get("OMP_NUM_THREADS"):
             threads = max(1, os.cpu_count() // args.nprocs)
             os.environ["OMP_NUM_THREADS"] = str(threads)
-        # fixed: port 0 binds a free one that the system picks, not the tutorial's 12355
+        # fixed: a free port, not the tutorial's 12355 (binding port 0 picks one)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # Ctrl-C reaches every process, `kill PID` this launcher alone: pass it on
+        # `kill PID` reaches only this launcher, Ctrl-C all: on either, stop the ranks
         for sig in signal.SIGINT, signal.SIGTERM:
             signal.signal(sig, terminate_ranks)
         processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-        # join() is False until every rank has ended. When one fails, the others get
-        # 5 s to end on their own (rank 0 may be printing why) before torch ends them
+        # each join() waits for a rank to end; it is True once all have. When one
+        # fails, the others get 5 s to end on their own before torch ends them
         while not processes.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: a rank that exited with code N (1 after its error) passes N on;
-        # one that a signal killed (N < 0): re-raise, torch's error names the signal
+        # optional: a rank's sys.exit(N) (a refusal: 1) passes N on; for a rank a
+        # signal killed (N < 0), re-raise: torch's error names the signal
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)
@@ -121,20 +122,20 @@ def launch(main, args):
         sys.exit(130)
 
 
-def terminate_ranks(*_):
-    """SIGTERM to each rank, then interrupt_once(). The ranks are not daemons, so
-    Python waits for them before the launcher exits."""
+def terminate_ranks(signum, frame):
+    """SIGTERM to each rank, then interrupt_once(); the launcher exits only
+    after its ranks."""
     for process in mp.active_children():
         process.terminate()
-    interrupt_once()
+    interrupt_once(signum, frame)
 
 
-def interrupt_once(*_):
+def interrupt_once(signum, frame):
     """Ctrl-C or SIGTERM: raise KeyboardInterrupt, and ignore both from now on,
     so that a second Ctrl-C cannot cut the clean-up short."""
     for sig in signal.SIGINT, signal.SIGTERM:
-        # not SIG_IGN: Python would print "Signal 15 ignored due to race condition"
-        signal.signal(sig, lambda *_: None)
+        # a handler that does nothing: SIG_IGN can print a "race condition" warning
+        signal.signal(sig, lambda signum, frame: None)
     raise KeyboardInterrupt
 
 

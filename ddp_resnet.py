@@ -20,8 +20,8 @@ from datetime import timedelta
 from multiprocessing import forkserver
 from pathlib import Path
 
-# a Ctrl-C while torch imports (seconds) ends the process quietly; once the
-# group is up, ddp_setup makes Ctrl-C raise KeyboardInterrupt instead
+# Python's own Ctrl-C handler would print a traceback from inside `import torch`
+# (seconds): until ddp_setup, Ctrl-C ends this process at once, quietly
 signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
@@ -47,6 +47,7 @@ def ddp_setup(local_rank, args):
     if cuda:
         # before the first collective, or every rank would use cuda:0
         torch.cuda.set_device(device)
+    # MASTER_ADDR and MASTER_PORT: set by torchrun, or by launch() before the spawn
     dist.init_process_group(
         # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on CPUs
         "nccl" if cuda else "gloo",
@@ -55,11 +56,11 @@ def ddp_setup(local_rank, args):
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL: bind this rank's GPU to the group now, so barrier() need not guess it
+        # NCCL: this rank's GPU, bound to the group (barrier() warns without it)
         device_id=device if cuda else None,
     )
-    # from now on Ctrl-C and SIGTERM raise KeyboardInterrupt (interrupt_once(), in the
-    # launching section): the rank unwinds and ends quietly
+    # the group is up: now Ctrl-C and SIGTERM raise KeyboardInterrupt (interrupt_once,
+    # in the launching section), so that the rank unwinds and ends quietly
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, interrupt_once)
     return device
@@ -71,8 +72,8 @@ def print0(*args, **kwargs):
 
 
 def fail(message):
-    """An error every rank finds alike: all exit 1 together, rank 0 saying why (a
-    rank that exited alone would leave the others waiting until --timeout)."""
+    """Exit 1 on every rank, rank 0 saying why. Every rank must call it: one that
+    exited alone would leave the others waiting until --timeout."""
     print0(f"error: {message}", file=sys.stderr)
     dist.destroy_process_group()
     sys.exit(1)
@@ -117,8 +118,7 @@ def build_model(args, num_classes):
 def worker_init(worker_id):
     """Each loader worker leaves Ctrl-C to the training process, which ends it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # batches as named shared memory, not as file descriptors handed over a
-    # connection, which a Ctrl-C could cut (the worker's traceback then showed)
+    # batches as named shared memory: no connection that a Ctrl-C could cut
     torch.multiprocessing.set_sharing_strategy("file_system")
 
 
@@ -126,9 +126,9 @@ def prepare_dataloader(dataset, device, args):
     if args.workers:
         # workers start from a forkserver, not as forks of this rank, whose gloo or
         # NCCL threads a fork can stall. It imports torch once for all workers, and
-        # this script first (from the script's folder): the SIGINT line at its top
-        # keeps a Ctrl-C during those imports quiet
+        # this script first, whose SIGINT line keeps a Ctrl-C during imports quiet
         mp.set_forkserver_preload([Path(__file__).stem, "torch", "torchvision"])
+        # started in the script's folder, the forkserver can import the script
         cwd = os.getcwd()
         os.chdir(Path(__file__).parent)
         forkserver.ensure_running()
@@ -140,7 +140,6 @@ def prepare_dataloader(dataset, device, args):
         sampler=DistributedSampler(dataset, seed=args.seed),
         # fixed: per rank; the tutorial's 4 * GPUs in each rank made 4 * GPUs² in all
         num_workers=args.workers,
-        # (with no workers, DataLoader takes no context)
         multiprocessing_context="forkserver" if args.workers else None,
         worker_init_fn=worker_init,
         pin_memory=device.type == "cuda",
@@ -153,8 +152,8 @@ def train(model, dataloader, optimizer, device, epoch, args):
     """One epoch; the loss averaged over every rank, and images/s."""
     # fixed: without set_epoch every epoch has the same order
     dataloader.sampler.set_epoch(epoch)
-    # a seed for each epoch and rank, so that --resume repeats an unbroken run's
-    # random draws (your model's dropout, your data's augmentation)
+    # seeded by epoch and rank: after --resume, random draws (the dropout or random
+    # crops of your own model and data) repeat the unbroken run's
     torch.manual_seed(args.seed + 1000 * epoch + dist.get_rank())
     global_batch = args.batch_size * dist.get_world_size()
     steps = len(dataloader)
@@ -196,8 +195,8 @@ def evaluate(model, val_set, device, args):
     # this rank's share, every world_size-th image: unlike a DistributedSampler,
     # it pads nothing, so each image is counted once
     share = Subset(val_set, range(dist.get_rank(), len(val_set), dist.get_world_size()))
-    # DDP sends rank 0's buffers at the start of each forward, and then each rank's
-    # BatchNorm updates its own: take rank 0's, so every rank scores one model
+    # every rank takes rank 0's BatchNorm statistics (in the last step, each rank
+    # updated its own), so that all of them score the same model
     for buffer in model.module.buffers():
         dist.broadcast(buffer, src=0)
     correct = seen = 0
@@ -269,8 +268,8 @@ def load_model(epoch, model, optimizer, device, args):
 
 def run_training_process_on_given_gpu(local_rank, args):
     device = ddp_setup(local_rank, args)
-    # one seed on every rank: the sampler splits indices, so each rank must hold
-    # the same synthetic images and --max-steps part; each run, the same weights
+    # one seed on every rank: the same synthetic images and --max-steps subset in
+    # each, for the sampler to split (and the same weights in every run)
     torch.manual_seed(args.seed)
     train_set, val_set, num_classes = load_datasets(args)
     if args.max_steps:
@@ -374,26 +373,26 @@ def launch(main, args):
             local_rank = int(os.environ.get("LOCAL_RANK") or 0)
             # optional: record adds this rank's traceback to torchrun's report
             return record(main)(local_rank, args)
-        # optional, fixed: a share of the cores for each spawned rank (torch's: all)
+        # optional, fixed: each spawned rank its share of the cores, not all of them
         if not os.environ.get("OMP_NUM_THREADS"):
             threads = max(1, os.cpu_count() // args.nprocs)
             os.environ["OMP_NUM_THREADS"] = str(threads)
-        # fixed: port 0 binds a free one that the system picks, not the tutorial's 12355
+        # fixed: a free port, not the tutorial's 12355 (binding port 0 picks one)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # Ctrl-C reaches every process, `kill PID` this launcher alone: pass it on
+        # `kill PID` reaches only this launcher, Ctrl-C all: on either, stop the ranks
         for sig in signal.SIGINT, signal.SIGTERM:
             signal.signal(sig, terminate_ranks)
         processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-        # join() is False until every rank has ended. When one fails, the others get
-        # 5 s to end on their own (rank 0 may be printing why) before torch ends them
+        # each join() waits for a rank to end; it is True once all have. When one
+        # fails, the others get 5 s to end on their own before torch ends them
         while not processes.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: a rank that exited with code N (1 after its error) passes N on;
-        # one that a signal killed (N < 0): re-raise, torch's error names the signal
+        # optional: a rank's sys.exit(N) (a refusal: 1) passes N on; for a rank a
+        # signal killed (N < 0), re-raise: torch's error names the signal
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)
@@ -402,20 +401,20 @@ def launch(main, args):
         sys.exit(130)
 
 
-def terminate_ranks(*_):
-    """SIGTERM to each rank, then interrupt_once(). The ranks are not daemons, so
-    Python waits for them before the launcher exits."""
+def terminate_ranks(signum, frame):
+    """SIGTERM to each rank, then interrupt_once(); the launcher exits only
+    after its ranks."""
     for process in mp.active_children():
         process.terminate()
-    interrupt_once()
+    interrupt_once(signum, frame)
 
 
-def interrupt_once(*_):
+def interrupt_once(signum, frame):
     """Ctrl-C or SIGTERM: raise KeyboardInterrupt, and ignore both from now on,
     so that a second Ctrl-C cannot cut the clean-up short."""
     for sig in signal.SIGINT, signal.SIGTERM:
-        # not SIG_IGN: Python would print "Signal 15 ignored due to race condition"
-        signal.signal(sig, lambda *_: None)
+        # a handler that does nothing: SIG_IGN can print a "race condition" warning
+        signal.signal(sig, lambda signum, frame: None)
     raise KeyboardInterrupt
 
 

@@ -21,8 +21,8 @@ import time
 from multiprocessing import forkserver
 from pathlib import Path
 
-# Until the training starts, Ctrl-C ends the process at once, quietly; then
-# it raises KeyboardInterrupt, so that clean-up code runs
+# Python's own Ctrl-C handler would print a traceback from inside `import torch`
+# (seconds): until the training starts, Ctrl-C ends this process at once, quietly
 signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
@@ -61,19 +61,18 @@ def build_model(args, num_classes):
 def worker_init(worker_id):
     """Each loader worker leaves Ctrl-C to the training process, which ends it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # batches as named shared memory, not as file descriptors handed over a
-    # connection, which a Ctrl-C could cut (the worker's traceback then showed)
+    # batches as named shared memory: no connection that a Ctrl-C could cut
     torch.multiprocessing.set_sharing_strategy("file_system")
 
 
 def prepare_dataloader(dataset, gpus, args):
     if args.workers:
-        # workers start from a forkserver, not as forks of this process: Python
-        # loses a Ctrl-C that comes during a fork, and forking a CUDA process is
-        # slow. It imports torch once for all workers, and this script first (from
-        # the script's folder): the SIGINT line at its top keeps a Ctrl-C quiet
+        # workers start from a forkserver, not as forks of this process (Python
+        # loses a Ctrl-C that comes during a fork). It imports torch once for all
+        # workers, and this script first, whose SIGINT line keeps a Ctrl-C quiet
         preload = [Path(__file__).stem, "torch", "torchvision"]
         torch.multiprocessing.set_forkserver_preload(preload)
+        # started in the script's folder, the forkserver can import the script
         cwd = os.getcwd()
         os.chdir(Path(__file__).parent)
         forkserver.ensure_running()
@@ -94,9 +93,9 @@ def prepare_dataloader(dataset, gpus, args):
 
 
 class Bf16Autocast(torch.nn.Sequential):
-    """--amp: DataParallel runs each GPU's copy of the model in a thread of its
-    own, whose autocast is fp16 whatever train()'s is; wrapped in this
-    Sequential of one module, each copy runs in bf16."""
+    """--amp with DataParallel: it runs each GPU's copy of the model in a thread
+    whose autocast is fp16, whatever train()'s dtype; each copy of this wrapper
+    turns its own autocast to bf16."""
 
     def forward(self, x):
         with torch.autocast(x.device.type, dtype=torch.bfloat16):
@@ -105,8 +104,8 @@ class Bf16Autocast(torch.nn.Sequential):
 
 def train(model, dataloader, optimizer, device, epoch, args):
     """One epoch: its mean loss, and images/s."""
-    # seeded by the epoch: a resumed run shuffles as an unbroken run did, and
-    # draws the same random augmentation (and dropout, in your model)
+    # seeded by the epoch: after --resume, the shuffle and random draws (the
+    # dropout or random crops of your own model and data) repeat the unbroken run's
     torch.manual_seed(epoch)
     steps = len(dataloader)
     # summed on the device: an .item() at every step would wait for the GPU
@@ -116,7 +115,7 @@ def train(model, dataloader, optimizer, device, epoch, args):
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
         optimizer.zero_grad()
-        # --amp: bf16 where DataParallel does not wrap the model; the loss in fp32
+        # --amp: bf16 autocast (in DataParallel's threads, Bf16Autocast's)
         with torch.autocast(device.type, torch.bfloat16, enabled=args.amp):
             loss = torch.nn.functional.cross_entropy(model(images), labels)
         loss.backward()
@@ -125,12 +124,12 @@ def train(model, dataloader, optimizer, device, epoch, args):
         # a line every 10 steps, at the last, and at least every 30 s
         if step % 10 == 0 or step == steps or time.monotonic() - last_print > 30:
             # .item() waits for the GPU to finish; read the clock after it
-            value = loss.item()
+            batch_loss = loss.item()
             now = time.monotonic()
             rate = step * args.batch_size / (now - began)
             print(
                 f"epoch {epoch}/{args.epochs} | step {step}/{steps}"
-                f" | loss {value:.4f} | {rate:.0f} img/s"
+                f" | loss {batch_loss:.4f} | {rate:.0f} img/s"
             )
             last_print = now
     rate = steps * args.batch_size / (time.monotonic() - began)
@@ -186,7 +185,7 @@ def load_model(epoch, net, optimizer, device, args):
 def run_training(gpus, train_set, num_classes, args):
     device = torch.device("cuda:0" if gpus else "cpu")
     if args.max_steps:
-        # --max-steps: shorter epochs, over a random part of the data (seeded)
+        # --max-steps: shorter epochs, over a random part of the data
         keep = args.max_steps * args.batch_size
         train_set = Subset(train_set, torch.randperm(len(train_set))[:keep].tolist())
     dataloader = prepare_dataloader(train_set, gpus, args)
@@ -215,19 +214,20 @@ def run_training(gpus, train_set, num_classes, args):
     if first_epoch > 1:
         line += f" | resuming from epoch_{first_epoch - 1}.pt"
     print(line)
-    # the last epoch's figures; a resumed run with no epoch left has none
-    results = {}
     # fixed: the tutorial's range(1, 30) ran 29 epochs
     epochs = range(first_epoch, args.epochs + 1)
+    # what report() gets if no epoch runs (--resume after the last one)
+    loss = rate = saved = None
     for epoch in epochs:
         # the tutorial's pattern: each epoch starts from the last one's checkpoint
         if epoch > 1:
             load_model(epoch - 1, net, optimizer, device, args)
         loss, rate = train(model, dataloader, optimizer, device, epoch, args)
-        checkpoint = save_model(epoch, net, optimizer, args)
+        saved = save_model(epoch, net, optimizer, args)
         print(f"epoch {epoch}/{args.epochs} | loss {loss:.4f} | {rate:.0f} img/s")
-        results = dict(final_loss=loss, images_per_sec=rate, checkpoint=checkpoint)
-    results["epochs_run"] = len(epochs)
+    results = dict(
+        epochs_run=len(epochs), final_loss=loss, images_per_sec=rate, checkpoint=saved
+    )
     report(results, steps, gpus, device, args)
 
 
@@ -235,8 +235,8 @@ def report(results, steps, gpus, device, args):
     """The done line, and --metrics-out: the results as JSON."""
     print(
         f"done | epochs_run {results['epochs_run']}"
-        f" | final_loss {results.get('final_loss')}"
-        f" | checkpoint {results.get('checkpoint')}"
+        f" | final_loss {results['final_loss']}"
+        f" | checkpoint {results['checkpoint']}"
     )
     if args.metrics_out:
         metrics = dict(
@@ -249,12 +249,12 @@ def report(results, steps, gpus, device, args):
         Path(args.metrics_out).write_text(json.dumps(metrics, indent=1))
 
 
-def interrupt_once(*_):
+def interrupt_once(signum, frame):
     """Ctrl-C or SIGTERM: raise KeyboardInterrupt, and ignore both from now on,
     so that a second Ctrl-C cannot cut the clean-up short."""
     for sig in signal.SIGINT, signal.SIGTERM:
-        # not SIG_IGN: Python would print "Signal 15 ignored due to race condition"
-        signal.signal(sig, lambda *_: None)
+        # a handler that does nothing: SIG_IGN can print a "race condition" warning
+        signal.signal(sig, lambda signum, frame: None)
     raise KeyboardInterrupt
 
 

@@ -216,13 +216,13 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
     (
         "ddp: a second Ctrl-C raises again",
         "ddp_resnet.py",
-        [("        signal.signal(sig, lambda *_: None)\n", "        pass\n")],
+        [("        signal.signal(sig, lambda signum, frame: None)\n", "        pass\n")],
         "tests/test_faults.py::test_a_stop_mid_epoch_then_ctrl_c_during_a_save_then_resume",
     ),
     (
         "dp: a second Ctrl-C raises again",
         "dp_resnet.py",
-        [("        signal.signal(sig, lambda *_: None)\n", "        pass\n")],
+        [("        signal.signal(sig, lambda signum, frame: None)\n", "        pass\n")],
         "tests/test_faults.py::test_a_stop_mid_epoch_then_ctrl_c_during_a_save_then_resume[dp]",
     ),
     (
