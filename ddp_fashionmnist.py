@@ -18,8 +18,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-# Python's own Ctrl-C handler would print a traceback from inside `import torch`
-# (seconds): until ddp_setup, Ctrl-C ends this process at once, quietly
+# Python's Ctrl-C handler would print a traceback from inside `import torch`,
+# which takes seconds: until ddp_setup, Ctrl-C ends this process at once, quietly
 signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
@@ -219,7 +219,8 @@ def launch(main, args):
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # `kill PID` reaches only this launcher, Ctrl-C all: on either, stop the ranks
+        # Ctrl-C in a terminal reaches every process, `kill PID` only this launcher:
+        # on either, the launcher stops the ranks
         for sig in signal.SIGINT, signal.SIGTERM:
             signal.signal(sig, terminate_ranks)
         processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
@@ -239,8 +240,8 @@ def launch(main, args):
 
 
 def terminate_ranks(signum, frame):
-    """SIGTERM to each rank, then interrupt_once(); the launcher exits only
-    after its ranks."""
+    """SIGTERM to each rank, then interrupt_once(). Python's exit then waits
+    for the ranks."""
     for process in mp.active_children():
         process.terminate()
     interrupt_once(signum, frame)
@@ -250,7 +251,7 @@ def interrupt_once(signum, frame):
     """Ctrl-C or SIGTERM: raise KeyboardInterrupt, and ignore both from now on,
     so that a second Ctrl-C cannot cut the clean-up short."""
     for sig in signal.SIGINT, signal.SIGTERM:
-        # a handler that does nothing: SIG_IGN can print a "race condition" warning
+        # a no-op handler: with SIG_IGN, Python warns of a signal already on its way
         signal.signal(sig, lambda signum, frame: None)
     raise KeyboardInterrupt
 

@@ -20,8 +20,8 @@ from datetime import timedelta
 from multiprocessing import forkserver
 from pathlib import Path
 
-# Python's own Ctrl-C handler would print a traceback from inside `import torch`
-# (seconds): until ddp_setup, Ctrl-C ends this process at once, quietly
+# Python's Ctrl-C handler would print a traceback from inside `import torch`,
+# which takes seconds: until ddp_setup, Ctrl-C ends this process at once, quietly
 signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
@@ -152,8 +152,8 @@ def train(model, dataloader, optimizer, device, epoch, args):
     """One epoch; the loss averaged over every rank, and images/s."""
     # fixed: without set_epoch every epoch has the same order
     dataloader.sampler.set_epoch(epoch)
-    # seeded by epoch and rank: after --resume, random draws (the dropout or random
-    # crops of your own model and data) repeat the unbroken run's
+    # a seed for each epoch and rank: a resumed run then ends bit for bit as an
+    # unbroken one, random draws too (dropout, random crops, once you add them)
     torch.manual_seed(args.seed + 1000 * epoch + dist.get_rank())
     global_batch = args.batch_size * dist.get_world_size()
     steps = len(dataloader)
@@ -195,8 +195,8 @@ def evaluate(model, val_set, device, args):
     # this rank's share, every world_size-th image: unlike a DistributedSampler,
     # it pads nothing, so each image is counted once
     share = Subset(val_set, range(dist.get_rank(), len(val_set), dist.get_world_size()))
-    # every rank takes rank 0's BatchNorm statistics (in the last step, each rank
-    # updated its own), so that all of them score the same model
+    # DDP copies rank 0's buffers at the start of each forward only, so after the
+    # last step each rank's BatchNorm statistics differ: every rank takes rank 0's
     for buffer in model.module.buffers():
         dist.broadcast(buffer, src=0)
     correct = seen = 0
@@ -291,7 +291,7 @@ def run_training_process_on_given_gpu(local_rank, args):
     # fixed: the tutorial's range(1, 30) ran 29 epochs
     epochs = range(first_epoch, args.epochs + 1)
     # what report() gets if no epoch runs (--resume after the last one)
-    loss = rate = saved = None
+    loss = rate = path = None
     scores = {}
     for epoch in epochs:
         # the tutorial's lesson: every rank starts each epoch from the checkpoint
@@ -302,14 +302,14 @@ def run_training_process_on_given_gpu(local_rank, args):
         line = f"epoch {epoch}/{args.epochs} | loss {loss:.4f} | {rate:.0f} img/s"
         # fixed: global rank 0 saves; the tutorial's local rank 0 saved once a node
         if dist.get_rank() == 0:
-            saved = save_model(epoch, model, optimizer, args)
+            path = save_model(epoch, model, optimizer, args)
         if val_set is not None:
             scores = evaluate(model, val_set, device, args)
             line += f" | val_accuracy {scores['val_accuracy']:.4f}"
             line += f" ({scores['val_samples']} images)"
         print0(line)
     results = dict(
-        epochs_run=len(epochs), final_loss=loss, images_per_sec=rate, checkpoint=saved
+        epochs_run=len(epochs), final_loss=loss, images_per_sec=rate, checkpoint=path
     )
     report(results | scores, steps, device, args)
     # free DDP before the group, or gloo may hang at exit (seen on torch 2.11)
@@ -382,7 +382,8 @@ def launch(main, args):
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # `kill PID` reaches only this launcher, Ctrl-C all: on either, stop the ranks
+        # Ctrl-C in a terminal reaches every process, `kill PID` only this launcher:
+        # on either, the launcher stops the ranks
         for sig in signal.SIGINT, signal.SIGTERM:
             signal.signal(sig, terminate_ranks)
         processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
@@ -402,8 +403,8 @@ def launch(main, args):
 
 
 def terminate_ranks(signum, frame):
-    """SIGTERM to each rank, then interrupt_once(); the launcher exits only
-    after its ranks."""
+    """SIGTERM to each rank, then interrupt_once(). Python's exit then waits
+    for the ranks."""
     for process in mp.active_children():
         process.terminate()
     interrupt_once(signum, frame)
@@ -413,7 +414,7 @@ def interrupt_once(signum, frame):
     """Ctrl-C or SIGTERM: raise KeyboardInterrupt, and ignore both from now on,
     so that a second Ctrl-C cannot cut the clean-up short."""
     for sig in signal.SIGINT, signal.SIGTERM:
-        # a handler that does nothing: SIG_IGN can print a "race condition" warning
+        # a no-op handler: with SIG_IGN, Python warns of a signal already on its way
         signal.signal(sig, lambda signum, frame: None)
     raise KeyboardInterrupt
 

@@ -104,8 +104,8 @@ class Bf16Autocast(torch.nn.Sequential):
 
 def train(model, dataloader, optimizer, device, epoch, args):
     """One epoch: its mean loss, and images/s."""
-    # seeded by the epoch: after --resume, the shuffle and random draws (the
-    # dropout or random crops of your own model and data) repeat the unbroken run's
+    # a seed for each epoch: a resumed run then ends bit for bit as an unbroken
+    # one, its shuffle and random draws too (dropout, random crops, once you add them)
     torch.manual_seed(epoch)
     steps = len(dataloader)
     # summed on the device: an .item() at every step would wait for the GPU
@@ -217,16 +217,16 @@ def run_training(gpus, train_set, num_classes, args):
     # fixed: the tutorial's range(1, 30) ran 29 epochs
     epochs = range(first_epoch, args.epochs + 1)
     # what report() gets if no epoch runs (--resume after the last one)
-    loss = rate = saved = None
+    loss = rate = path = None
     for epoch in epochs:
         # the tutorial's pattern: each epoch starts from the last one's checkpoint
         if epoch > 1:
             load_model(epoch - 1, net, optimizer, device, args)
         loss, rate = train(model, dataloader, optimizer, device, epoch, args)
-        saved = save_model(epoch, net, optimizer, args)
+        path = save_model(epoch, net, optimizer, args)
         print(f"epoch {epoch}/{args.epochs} | loss {loss:.4f} | {rate:.0f} img/s")
     results = dict(
-        epochs_run=len(epochs), final_loss=loss, images_per_sec=rate, checkpoint=saved
+        epochs_run=len(epochs), final_loss=loss, images_per_sec=rate, checkpoint=path
     )
     report(results, steps, gpus, device, args)
 
@@ -253,7 +253,7 @@ def interrupt_once(signum, frame):
     """Ctrl-C or SIGTERM: raise KeyboardInterrupt, and ignore both from now on,
     so that a second Ctrl-C cannot cut the clean-up short."""
     for sig in signal.SIGINT, signal.SIGTERM:
-        # a handler that does nothing: SIG_IGN can print a "race condition" warning
+        # a no-op handler: with SIG_IGN, Python warns of a signal already on its way
         signal.signal(sig, lambda signum, frame: None)
     raise KeyboardInterrupt
 

@@ -160,7 +160,7 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         "ddp_resnet.py",
         [
             (
-                "        if dist.get_rank() == 0:\n            saved = save_model",
+                "        if dist.get_rank() == 0:\n            path = save_model",
                 '        if os.environ.get("LOCAL_RANK", "0") == "0":\n            saved = save_model',
             )
         ],
