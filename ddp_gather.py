@@ -113,8 +113,8 @@ def launch(main, args):
         while not processes.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: a rank's sys.exit(N) (a refusal: 1) passes N on; for a rank a
-        # signal killed (N < 0), re-raise: torch's error names the signal
+        # optional: a rank's exit code N passes on; for a rank that a signal killed
+        # (N < 0), re-raise: torch's error names the signal
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)

@@ -118,7 +118,7 @@ def build_model(args, num_classes):
 def worker_init(worker_id):
     """Each loader worker leaves Ctrl-C to the training process, which ends it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # batches as named shared memory: no connection that a Ctrl-C could cut
+    # batches as named shared memory: no connection for a Ctrl-C to cut (a traceback)
     torch.multiprocessing.set_sharing_strategy("file_system")
 
 
@@ -218,8 +218,8 @@ def evaluate(model, val_set, device, args):
 def newest_epoch(args):
     """N of the newest epoch_N.pt in --ckpt-dir; 0 if there is none."""
     files = Path(args.ckpt_dir).glob("epoch_*.pt")
-    numbers = [file.stem.removeprefix("epoch_") for file in files]
-    return max([int(n) for n in numbers if n.isdigit()], default=0)
+    names = [file.stem.removeprefix("epoch_") for file in files]
+    return max([int(n) for n in names if n.isdigit()], default=0)
 
 
 def save_model(epoch, model, optimizer, args):
@@ -392,8 +392,8 @@ def launch(main, args):
         while not processes.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: a rank's sys.exit(N) (a refusal: 1) passes N on; for a rank a
-        # signal killed (N < 0), re-raise: torch's error names the signal
+        # optional: a rank's exit code N passes on; for a rank that a signal killed
+        # (N < 0), re-raise: torch's error names the signal
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)

@@ -61,7 +61,7 @@ def build_model(args, num_classes):
 def worker_init(worker_id):
     """Each loader worker leaves Ctrl-C to the training process, which ends it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # batches as named shared memory: no connection that a Ctrl-C could cut
+    # batches as named shared memory: no connection for a Ctrl-C to cut (a traceback)
     torch.multiprocessing.set_sharing_strategy("file_system")
 
 
@@ -139,8 +139,8 @@ def train(model, dataloader, optimizer, device, epoch, args):
 def newest_epoch(args):
     """N of the newest epoch_N.pt in --ckpt-dir; 0 if there is none."""
     files = Path(args.ckpt_dir).glob("epoch_*.pt")
-    numbers = [file.stem.removeprefix("epoch_") for file in files]
-    return max([int(n) for n in numbers if n.isdigit()], default=0)
+    names = [file.stem.removeprefix("epoch_") for file in files]
+    return max([int(n) for n in names if n.isdigit()], default=0)
 
 
 def save_model(epoch, net, optimizer, args):
@@ -182,7 +182,7 @@ def load_model(epoch, net, optimizer, device, args):
         group["lr"] = args.lr
 
 
-def run_training(gpus, train_set, num_classes, args):
+def run_training(gpus, train_set, num_classes, first_epoch, args):
     device = torch.device("cuda:0" if gpus else "cpu")
     if args.max_steps:
         # --max-steps: shorter epochs, over a random part of the data
@@ -201,9 +201,6 @@ def run_training(gpus, train_set, num_classes, args):
     params = model.parameters()
     optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9, weight_decay=1e-4)
     steps = len(dataloader)
-    # epoch 1, or with --resume the one after the newest checkpoint (__main__
-    # refused a used folder without --resume)
-    first_epoch = newest_epoch(args) + 1
     line = (
         f"start | {Path(__file__).name} | gpus {gpus} | device {device}"
         f" | model {type(net).__name__} | data {args.data or 'synthetic'}"
@@ -220,6 +217,7 @@ def run_training(gpus, train_set, num_classes, args):
     loss = rate = path = None
     for epoch in epochs:
         # the tutorial's pattern: each epoch starts from the last one's checkpoint
+        # (after --resume, the first from the newest in --ckpt-dir)
         if epoch > 1:
             load_model(epoch - 1, net, optimizer, device, args)
         loss, rate = train(model, dataloader, optimizer, device, epoch, args)
@@ -319,7 +317,8 @@ if __name__ == "__main__":
     try:
         # CUDA_VISIBLE_DEVICES chooses the GPUs
         gpus = 0 if args.cpu else torch.cuda.device_count()
-        run_training(gpus, train_set, num_classes, args)
+        # epoch 1, or with --resume the one after the newest checkpoint
+        run_training(gpus, train_set, num_classes, newest + 1, args)
     except KeyboardInterrupt:
         # Ctrl-C or a stop: quiet, with the shell's code for Ctrl-C
         sys.exit(130)

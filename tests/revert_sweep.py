@@ -161,7 +161,7 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         [
             (
                 "        if dist.get_rank() == 0:\n            path = save_model",
-                '        if os.environ.get("LOCAL_RANK", "0") == "0":\n            saved = save_model',
+                '        if os.environ.get("LOCAL_RANK", "0") == "0":\n            path = save_model',
             )
         ],
         "tests/test_multinode.py::test_only_global_rank_0_writes_checkpoints",
