@@ -210,7 +210,7 @@ def launch(main, args):
             local_rank = int(os.environ.get("LOCAL_RANK") or 0)
             # optional: record adds this rank's traceback to torchrun's report
             return record(main)(local_rank, args)
-        # optional, fixed: each spawned rank its share of the cores, not all of them
+        # optional, fixed: a spawned rank gets its share of the cores (by default, all)
         if not os.environ.get("OMP_NUM_THREADS"):
             threads = max(1, os.cpu_count() // args.nprocs)
             os.environ["OMP_NUM_THREADS"] = str(threads)

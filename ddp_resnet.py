@@ -96,8 +96,8 @@ def load_datasets(args):
         train_set = datasets.ImageFolder(args.data, transform=preprocess)
         classes = train_set.classes
     else:
-        # no --data: 256 random images labelled by index, repeated 50 times: the
-        # model can learn them by heart, so the loss falls
+        # no --data: 256 random images (the same on every rank: its main seeds them),
+        # labelled by index, repeated 50 times: learnt by heart, the loss falls
         images = TensorDataset(torch.randn(256, 3, size, size), torch.arange(256))
         train_set = ConcatDataset([images] * 50)
         classes = list(range(256))
@@ -373,7 +373,7 @@ def launch(main, args):
             local_rank = int(os.environ.get("LOCAL_RANK") or 0)
             # optional: record adds this rank's traceback to torchrun's report
             return record(main)(local_rank, args)
-        # optional, fixed: each spawned rank its share of the cores, not all of them
+        # optional, fixed: a spawned rank gets its share of the cores (by default, all)
         if not os.environ.get("OMP_NUM_THREADS"):
             threads = max(1, os.cpu_count() // args.nprocs)
             os.environ["OMP_NUM_THREADS"] = str(threads)
