@@ -48,7 +48,7 @@ def ddp_setup(local_rank, args):
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL: this rank's GPU, bound to the group (barrier() warns without it)
+        # NCCL: tell the group this rank's GPU (barrier() warns without it)
         device_id=device if cuda else None,
     )
     # the group is up: now Ctrl-C and SIGTERM raise KeyboardInterrupt (interrupt_once,
@@ -107,7 +107,7 @@ class SeqNet(nn.Module):
 
 def train(model, train_loader, loss_function, optimizer, device, args):
     """The tutorial's loop; returns the last epoch's mean loss per image."""
-    # backward() now averages every rank's gradients (DDP finds the device)
+    # backward() now averages every rank's gradients (DDP uses the model's device)
     model = DDP(model)
     for epoch in range(1, args.epochs + 1):
         # fixed: without set_epoch every epoch has the same order
@@ -180,7 +180,7 @@ def main(local_rank, args):
         f" | data {data_name} ({len(train_set)} images)"
         f" | batch {args.batch_size} x {world_size} | epochs {args.epochs}"
     )
-    # train() wraps my_net in DDP, which trains my_net's weights: test() scores it
+    # the DDP in train() updates my_net's own weights: test() scores my_net
     loss = train(my_net, train_loader, loss_function, optimizer, device, args)
     results = test(my_net, test_set, device, args.batch_size)
     print0(

@@ -56,7 +56,7 @@ def ddp_setup(local_rank, args):
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL: this rank's GPU, bound to the group (barrier() warns without it)
+        # NCCL: tell the group this rank's GPU (barrier() warns without it)
         device_id=device if cuda else None,
     )
     # the group is up: now Ctrl-C and SIGTERM raise KeyboardInterrupt (interrupt_once,
