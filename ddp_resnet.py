@@ -96,7 +96,7 @@ def load_datasets(args):
         train_set = datasets.ImageFolder(args.data, transform=preprocess)
         classes = train_set.classes
     else:
-        # no --data: 256 random images (the same on every rank: its main seeds them),
+        # no --data: 256 random images, the same on every rank (the caller seeds them),
         # labelled by index, repeated 50 times: learnt by heart, the loss falls
         images = TensorDataset(torch.randn(256, 3, size, size), torch.arange(256))
         train_set = ConcatDataset([images] * 50)
