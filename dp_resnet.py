@@ -185,7 +185,7 @@ def load_model(epoch, net, optimizer, device, args):
 def run_training(gpus, train_set, num_classes, first_epoch, args):
     device = torch.device("cuda:0" if gpus else "cpu")
     if args.max_steps:
-        # --max-steps: shorter epochs, over a random part of the data
+        # --max-steps: shorter epochs, over a random part of the data (the same each)
         keep = args.max_steps * args.batch_size
         train_set = Subset(train_set, torch.randperm(len(train_set))[:keep].tolist())
     dataloader = prepare_dataloader(train_set, gpus, args)
