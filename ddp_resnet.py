@@ -195,8 +195,8 @@ def evaluate(model, val_set, device, args):
     # this rank's share, every world_size-th image: unlike a DistributedSampler,
     # it pads nothing, so each image is counted once
     share = Subset(val_set, range(dist.get_rank(), len(val_set), dist.get_world_size()))
-    # BatchNorm's running statistics: DDP copies rank 0's at the start of each
-    # forward only, so after the last step they differ: every rank takes rank 0's
+    # the last step left each rank its own BatchNorm running statistics (DDP copies
+    # rank 0's at the start of each forward only); every rank takes rank 0's
     for buffer in model.module.buffers():
         dist.broadcast(buffer, src=0)
     correct = seen = 0
@@ -273,7 +273,7 @@ def run_training_process_on_given_gpu(local_rank, args):
     torch.manual_seed(args.seed)
     train_set, val_set, num_classes = load_datasets(args)
     if args.max_steps:
-        # --max-steps: shorter epochs, over a random part of the data (the same each)
+        # --max-steps: shorter epochs, each over the same random part of the data
         keep = args.max_steps * args.batch_size * dist.get_world_size()
         train_set = Subset(train_set, torch.randperm(len(train_set))[:keep].tolist())
     loader = prepare_dataloader(train_set, device, args)

@@ -21,8 +21,8 @@ import time
 from multiprocessing import forkserver
 from pathlib import Path
 
-# Python's own Ctrl-C handler would print a traceback from inside `import torch`
-# (seconds): until the training starts, Ctrl-C ends this process at once, quietly
+# Python's Ctrl-C handler would print a traceback from inside `import torch`,
+# which takes seconds: until the training starts, Ctrl-C ends this process quietly
 signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
@@ -185,7 +185,7 @@ def load_model(epoch, net, optimizer, device, args):
 def run_training(gpus, train_set, num_classes, first_epoch, args):
     device = torch.device("cuda:0" if gpus else "cpu")
     if args.max_steps:
-        # --max-steps: shorter epochs, over a random part of the data (the same each)
+        # --max-steps: shorter epochs, each over the same random part of the data
         keep = args.max_steps * args.batch_size
         train_set = Subset(train_set, torch.randperm(len(train_set))[:keep].tolist())
     dataloader = prepare_dataloader(train_set, gpus, args)
