@@ -59,8 +59,8 @@ def ddp_setup(local_rank, args):
         # NCCL: tell the group this rank's GPU (barrier() warns without it)
         device_id=device if cuda else None,
     )
-    # the group is up: now Ctrl-C and SIGTERM raise KeyboardInterrupt (interrupt_once,
-    # in the launching section), so that the rank unwinds and ends quietly
+    # the group is up: now Ctrl-C and SIGTERM end the rank quietly, after its clean-up
+    # (interrupt_once, in the launching section)
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, interrupt_once)
     return device
@@ -241,8 +241,8 @@ def save_model(epoch, model, optimizer, args):
     except RuntimeError as e:
         # a Ctrl-C inside torch.save comes out of it as a RuntimeError: raise it
         # as the Ctrl-C it is
-        if isinstance(e.__context__, KeyboardInterrupt):
-            raise KeyboardInterrupt from None
+        if isinstance(e.__context__, SystemExit):
+            raise e.__context__ from None
         raise
     finally:
         # a failure or Ctrl-C leaves no .tmp
@@ -398,9 +398,6 @@ def launch(main, args):
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)
-    except KeyboardInterrupt:
-        # optional: Ctrl-C or SIGTERM ends quietly, with the shell's code for Ctrl-C
-        sys.exit(130)
 
 
 def terminate_ranks(signum, frame):
@@ -412,12 +409,14 @@ def terminate_ranks(signum, frame):
 
 
 def interrupt_once(signum, frame):
-    """Ctrl-C or SIGTERM: raise KeyboardInterrupt, and ignore both from now on,
-    so that a second Ctrl-C cannot cut the clean-up short."""
+    """Ctrl-C or SIGTERM: exit 130, the shell's code for Ctrl-C, and ignore both
+    from now on, so that a second Ctrl-C cannot cut the clean-up short."""
     for sig in signal.SIGINT, signal.SIGTERM:
         # a no-op handler: with SIG_IGN, Python warns of a signal already on its way
         signal.signal(sig, lambda signum, frame: None)
-    raise KeyboardInterrupt
+    # SystemExit: no traceback, even when it comes while torch handles another
+    # error (under DDP, that of a rank that stopped first)
+    sys.exit(130)
 
 
 # --- end of launching ---

@@ -162,8 +162,8 @@ def save_model(epoch, net, optimizer, args):
         os.replace(tmp, file)
     except RuntimeError as e:
         # Ctrl-C inside torch.save comes out of its zip writer as a RuntimeError
-        if isinstance(e.__context__, KeyboardInterrupt):
-            raise KeyboardInterrupt from None
+        if isinstance(e.__context__, SystemExit):
+            raise e.__context__ from None
         raise
     finally:
         # a failure or Ctrl-C leaves no .tmp (after the rename there is none)
@@ -248,12 +248,14 @@ def report(results, steps, gpus, device, args):
 
 
 def interrupt_once(signum, frame):
-    """Ctrl-C or SIGTERM: raise KeyboardInterrupt, and ignore both from now on,
-    so that a second Ctrl-C cannot cut the clean-up short."""
+    """Ctrl-C or SIGTERM: exit 130, the shell's code for Ctrl-C, and ignore both
+    from now on, so that a second Ctrl-C cannot cut the clean-up short."""
     for sig in signal.SIGINT, signal.SIGTERM:
         # a no-op handler: with SIG_IGN, Python warns of a signal already on its way
         signal.signal(sig, lambda signum, frame: None)
-    raise KeyboardInterrupt
+    # SystemExit: no traceback, even when it comes while torch handles another
+    # error (under DDP, that of a rank that stopped first)
+    sys.exit(130)
 
 
 def positive(text):
@@ -311,14 +313,11 @@ if __name__ == "__main__":
     # drop_last would leave no step at all
     if len(train_set) < args.batch_size:
         sys.exit(f"error: {len(train_set)} images, too few for one batch")
-    # now Ctrl-C, and SIGTERM, raise KeyboardInterrupt: a save removes its .tmp
+    # now Ctrl-C and SIGTERM end the run quietly, after its clean-up: a save
+    # removes its .tmp
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, interrupt_once)
-    try:
-        # CUDA_VISIBLE_DEVICES chooses the GPUs
-        gpus = 0 if args.cpu else torch.cuda.device_count()
-        # epoch 1, or with --resume the one after the newest checkpoint
-        run_training(gpus, train_set, num_classes, newest + 1, args)
-    except KeyboardInterrupt:
-        # Ctrl-C or a stop: quiet, with the shell's code for Ctrl-C
-        sys.exit(130)
+    # CUDA_VISIBLE_DEVICES chooses the GPUs
+    gpus = 0 if args.cpu else torch.cuda.device_count()
+    # epoch 1, or with --resume the one after the newest checkpoint
+    run_training(gpus, train_set, num_classes, newest + 1, args)

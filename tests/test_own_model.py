@@ -25,6 +25,7 @@ from conftest import (
     run,
     same_weights,
     start,
+    tagged,
 )
 
 OWN = '''def load_datasets(args):
@@ -226,3 +227,41 @@ def test_ctrl_c_while_a_worker_hands_a_batch_over_is_quiet(tmp_path):
         res = finish(proc, timeout=60, check=False)  # none outlives the test
     assert res.returncode == 130 and "Traceback" not in res.stderr, res.stderr[-3000:]
     assert not waited, "a batch came over a connection, which a Ctrl-C can cut"
+
+
+SLOW_RANK = OWN.replace(
+    "def build_model(args, num_classes):\n",
+    "def build_model(args, num_classes):\n"
+    "    if dist.get_rank() == 1:  # a slow rank: held stopped until the test lets it go\n"
+    "        os.kill(os.getpid(), signal.SIGSTOP)\n",
+)
+
+
+def test_ctrl_c_while_a_rank_waits_for_a_slower_one_is_quiet(tmp_path):
+    """Ctrl-C to the whole group while rank 0 waits in DDP's first broadcast for rank 1, a slow
+    rank (held stopped here): exit 130, no traceback. Before, rank 1 ended at once, rank 0's
+    broadcast failed ("Connection closed by peer"), and its Ctrl-C came as a KeyboardInterrupt
+    while torch's spawn wrapper handled that error: both printed, chained."""
+    script, _ = own_copy(tmp_path, own=SLOW_RANK)
+    cmd = [sys.executable, script, "--cpu", "--batch-size", 4, "--ckpt-dir", tmp_path / "ckpt"]
+    proc = start([str(c) for c in cmd])
+    try:
+        deadline = time.monotonic() + 120
+        while not (stopped := [pid for pid in tagged(proc.mark) if state(pid) == "T"]):
+            assert time.monotonic() < deadline and proc.poll() is None, "rank 1 never stopped"
+            time.sleep(0.05)
+        time.sleep(2)  # rank 0 builds its model, then waits for rank 1 in the broadcast
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole group
+        time.sleep(0.5)
+        os.kill(stopped[0], signal.SIGCONT)
+    finally:
+        res = finish(proc, timeout=60, check=False)  # none outlives the test
+    assert res.returncode == 130 and "Traceback" not in res.stderr, res.stderr[-3000:]
+
+
+def state(pid: int) -> str:
+    """A process's state letter, as /proc shows it (T: stopped); "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
