@@ -239,8 +239,8 @@ def save_model(epoch, model, optimizer, args):
             os.fsync(f.fileno())
         os.replace(tmp, file)
     except RuntimeError as e:
-        # a Ctrl-C inside torch.save comes out of it as a RuntimeError: raise it
-        # as the Ctrl-C it is
+        # a Ctrl-C inside torch.save (interrupt_once's SystemExit) comes out of it
+        # as a RuntimeError: raise the SystemExit again, to end the run quietly
         if isinstance(e.__context__, SystemExit):
             raise e.__context__ from None
         raise

@@ -161,7 +161,8 @@ def save_model(epoch, net, optimizer, args):
             os.fsync(f.fileno())
         os.replace(tmp, file)
     except RuntimeError as e:
-        # Ctrl-C inside torch.save comes out of its zip writer as a RuntimeError
+        # a Ctrl-C inside torch.save (interrupt_once's SystemExit) comes out of it
+        # as a RuntimeError: raise the SystemExit again, to end the run quietly
         if isinstance(e.__context__, SystemExit):
             raise e.__context__ from None
         raise
