@@ -15,6 +15,7 @@ import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 from datetime import timedelta
 from multiprocessing import forkserver
@@ -120,6 +121,14 @@ def worker_init(worker_id):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # batches as named shared memory: no connection for a Ctrl-C to cut (a traceback)
     torch.multiprocessing.set_sharing_strategy("file_system")
+    # a worker from the forkserver would outlive a training process that was killed
+    # (by the OOM killer, say): a thread ends the worker once that process has ended
+    threading.Thread(target=exit_after_parent, daemon=True).start()
+
+
+def exit_after_parent():
+    torch.multiprocessing.parent_process().join()
+    os._exit(1)
 
 
 def prepare_dataloader(dataset, device, args):

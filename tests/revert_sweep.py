@@ -231,6 +231,18 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         ],
         "tests/test_own_model.py::test_ctrl_c_while_a_rank_waits_for_a_slower_one_is_quiet",
     ),
+    (  # the workers, the forkserver and the resource tracker outlive the killed process
+        "ddp: loader workers outlive a killed rank",
+        "ddp_resnet.py",
+        [("    threading.Thread(target=exit_after_parent, daemon=True).start()\n", "")],
+        "tests/test_faults.py::test_a_killed_training_process_leaves_no_loader_workers[spawn]",
+    ),
+    (
+        "dp: loader workers outlive a killed process",
+        "dp_resnet.py",
+        [("    threading.Thread(target=exit_after_parent, daemon=True).start()\n", "")],
+        "tests/test_faults.py::test_a_killed_training_process_leaves_no_loader_workers[dp]",
+    ),
     (
         "dp: a second Ctrl-C raises again",
         "dp_resnet.py",

@@ -104,6 +104,29 @@ def test_killed_rank_ends_the_job_within_seconds():
     )
 
 
+@pytest.mark.parametrize("how", ["spawn", "torchrun", "dp"])
+def test_a_killed_training_process_leaves_no_loader_workers(how, tmp_path):
+    """A training process killed mid-epoch (as the OOM killer does), with loader workers: the
+    job ends non-zero, and no process is left. Before, the workers, started by the forkserver,
+    kept it alive and it kept them: both, and the resource tracker, lived on after the job."""
+    flags = [*TINY, "--batch-size", 4, "--workers", 2, "--ckpt-dir", tmp_path / "ckpt"]
+    if how == "dp":
+        proc = start(python("dp_resnet.py", *flags))
+    else:
+        flags += ["--timeout", 60]
+        proc = start(
+            torchrun("ddp_resnet.py", 2, *flags)
+            if how == "torchrun"
+            else python("ddp_resnet.py", *flags)
+        )
+    for _ in lines(proc, 120, until=lambda line: "| step 10/" in line):
+        pass
+    victim = proc.pid if how == "dp" else wait_for_ranks(proc, 2, how == "torchrun")[1]
+    os.kill(victim, signal.SIGKILL)
+    res = finish(proc, timeout=60, check=False)  # fails if any process is left 10 s later
+    assert res.returncode != 0
+
+
 def test_hung_rank_ends_the_job_after_the_timeout():
     """A stopped rank never reaches the next collective: the other gives up after --timeout and
     the job ends with that error. (The stopped rank is let go once the timeout has passed, so

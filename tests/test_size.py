@@ -129,8 +129,8 @@ def section(text: str, start: str, end: str) -> str:
 
 
 def test_the_repeated_helpers_and_launching_are_the_same_in_every_script():
-    """Each file runs alone, so ddp_setup, print0, interrupt_once, positive, worker_init and the
-    launching section are copies: a fix proven through one script (the free port, the thread
+    """Each file runs alone, so ddp_setup, print0, interrupt_once, positive, worker_init,
+    exit_after_parent and the launching section are copies: a fix proven through one script (the free port, the thread
     split, the backend) holds in all of them."""
     texts = {s: (ROOT / s).read_text() for s in SCRIPTS}
     for start, end, scripts in (
@@ -141,6 +141,7 @@ def test_the_repeated_helpers_and_launching_are_the_same_in_every_script():
         ("def interrupt_once", "\n\n\n", SCRIPTS),
         ("# Python's Ctrl-C handler would", "import torch", DDP),
         ("def worker_init", "\n\n\n", ["dp_resnet.py", "ddp_resnet.py"]),
+        ("def exit_after_parent", "\n\n\n", ["dp_resnet.py", "ddp_resnet.py"]),
     ):
         copies = {s: section(texts[s], start, end) for s in scripts}
         assert len(set(copies.values())) == 1, f"the copies of {start!r} differ"
