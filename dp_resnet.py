@@ -70,6 +70,8 @@ def worker_init(worker_id):
 
 
 def exit_after_parent():
+    """Wait until the training process has ended (join returns then), and end this
+    worker at once."""
     torch.multiprocessing.parent_process().join()
     os._exit(1)
 
