@@ -70,8 +70,7 @@ def worker_init(worker_id):
 
 
 def exit_after_parent():
-    """Wait until the training process has ended (join returns then), and end this
-    worker at once."""
+    """Block until the training process has ended, then end this worker."""
     torch.multiprocessing.parent_process().join()
     os._exit(1)
 
