@@ -15,8 +15,8 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-# Python's Ctrl-C handler would print a traceback from inside `import torch`,
-# which takes seconds: until ddp_setup, Ctrl-C ends this process at once, quietly
+# a Ctrl-C during `import torch` (seconds) ends this process without Python's
+# traceback; ddp_setup then installs the handler for the training
 signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
@@ -26,7 +26,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 
 def ddp_setup(local_rank, args):
-    """Join the process group; return this rank's device."""
+    """Join the process group, then take over Ctrl-C; return this rank's device."""
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
     if cuda:
@@ -44,8 +44,8 @@ def ddp_setup(local_rank, args):
         # NCCL: tell the group this rank's GPU (barrier() warns without it)
         device_id=device if cuda else None,
     )
-    # the group is up: now Ctrl-C and SIGTERM end the rank quietly, after its clean-up
-    # (interrupt_once, in the launching section)
+    # from here on, Ctrl-C and SIGTERM exit 130 without a traceback (interrupt_once,
+    # in the launching section at the end of this file)
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, interrupt_once)
     return device
@@ -108,8 +108,8 @@ def launch(main, args):
         for sig in signal.SIGINT, signal.SIGTERM:
             signal.signal(sig, terminate_ranks)
         processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-        # each join() waits for a rank to end; it is True once all have. When one
-        # fails, the others get 5 s to end on their own before torch ends them
+        # join() blocks until a rank ends; True once all have. Unlike join=True, when
+        # a rank fails, the others get 5 s to exit on their own before torch ends them
         while not processes.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
@@ -121,8 +121,7 @@ def launch(main, args):
 
 
 def terminate_ranks(signum, frame):
-    """SIGTERM to each rank, then interrupt_once(). Python's exit then waits
-    for the ranks."""
+    """Stop every rank (SIGTERM), then exit 130 once they have ended."""
     for process in mp.active_children():
         process.terminate()
     interrupt_once(signum, frame)
@@ -132,10 +131,9 @@ def interrupt_once(signum, frame):
     """Ctrl-C or SIGTERM: exit 130, the shell's code for Ctrl-C, and ignore both
     from now on, so that a second Ctrl-C cannot cut the clean-up short."""
     for sig in signal.SIGINT, signal.SIGTERM:
-        # a no-op handler: with SIG_IGN, Python warns of a signal already on its way
+        # a no-op from now on (SIG_IGN would print an error for a signal on its way)
         signal.signal(sig, lambda signum, frame: None)
-    # SystemExit: no traceback, even when it comes while torch handles another
-    # error (under DDP, that of a rank that stopped first)
+    # SystemExit: unlike KeyboardInterrupt, it ends Python without a traceback
     sys.exit(130)
 
 

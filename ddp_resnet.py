@@ -21,8 +21,8 @@ from datetime import timedelta
 from multiprocessing import forkserver
 from pathlib import Path
 
-# Python's Ctrl-C handler would print a traceback from inside `import torch`,
-# which takes seconds: until ddp_setup, Ctrl-C ends this process at once, quietly
+# a Ctrl-C during `import torch` (seconds) ends this process without Python's
+# traceback; ddp_setup then installs the handler for the training
 signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
@@ -42,7 +42,7 @@ from torchvision import datasets, models
 
 
 def ddp_setup(local_rank, args):
-    """Join the process group; return this rank's device."""
+    """Join the process group, then take over Ctrl-C; return this rank's device."""
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
     if cuda:
@@ -60,8 +60,8 @@ def ddp_setup(local_rank, args):
         # NCCL: tell the group this rank's GPU (barrier() warns without it)
         device_id=device if cuda else None,
     )
-    # the group is up: now Ctrl-C and SIGTERM end the rank quietly, after its clean-up
-    # (interrupt_once, in the launching section)
+    # from here on, Ctrl-C and SIGTERM exit 130 without a traceback (interrupt_once,
+    # in the launching section at the end of this file)
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, interrupt_once)
     return device
@@ -97,8 +97,8 @@ def load_datasets(args):
         train_set = datasets.ImageFolder(args.data, transform=preprocess)
         classes = train_set.classes
     else:
-        # no --data: 256 random images, the same on every rank (the caller seeds them),
-        # labelled by index, repeated 50 times: learnt by heart, the loss falls
+        # no --data: 256 random images labelled by index, repeated 50 times: learnt by
+        # heart, the loss falls. The caller's seed makes them the same on every rank
         images = TensorDataset(torch.randn(256, 3, size, size), torch.arange(256))
         train_set = ConcatDataset([images] * 50)
         classes = list(range(256))
@@ -119,7 +119,8 @@ def build_model(args, num_classes):
 def worker_init(worker_id):
     """Each loader worker leaves Ctrl-C to the training process, which ends it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # batches as named shared memory: no connection for a Ctrl-C to cut (a traceback)
+    # for a quiet Ctrl-C: batches reach the training process by shared-memory name,
+    # not over a socket, whose cut would print a ConnectionResetError traceback
     torch.multiprocessing.set_sharing_strategy("file_system")
     # a worker from the forkserver would outlive a training process that was killed
     # (by the OOM killer, say): a thread ends the worker once that process has ended
@@ -134,11 +135,11 @@ def exit_after_parent():
 
 def prepare_dataloader(dataset, device, args):
     if args.workers:
-        # workers start from a forkserver, not as forks of this rank, whose gloo or
-        # NCCL threads a fork can stall. It imports torch once for all workers, and
-        # this script first, whose SIGINT line keeps a Ctrl-C during imports quiet
+        # workers start from a forkserver, not as forks of this rank (a fork can stall
+        # on gloo's or NCCL's threads). It imports torch once for all workers, after
+        # this script, so that the script's SIGINT line covers that import too
         mp.set_forkserver_preload([Path(__file__).stem, "torch", "torchvision"])
-        # started in the script's folder, the forkserver can import the script
+        # the forkserver finds this script by its name only when started in its folder
         cwd = os.getcwd()
         os.chdir(Path(__file__).parent)
         forkserver.ensure_running()
@@ -162,8 +163,8 @@ def train(model, dataloader, optimizer, device, epoch, args):
     """One epoch; the loss averaged over every rank, and images/s."""
     # fixed: without set_epoch every epoch has the same order
     dataloader.sampler.set_epoch(epoch)
-    # a seed for each epoch and rank: a resumed run then ends bit for bit as an
-    # unbroken one, random draws too (dropout, random crops, once you add them)
+    # a seed for each epoch and rank: after --resume, the random draws of your model
+    # and data (dropout, random crops) repeat those of an unbroken run, bit for bit
     torch.manual_seed(args.seed + 1000 * epoch + dist.get_rank())
     global_batch = args.batch_size * dist.get_world_size()
     steps = len(dataloader)
@@ -205,8 +206,8 @@ def evaluate(model, val_set, device, args):
     # this rank's share, every world_size-th image: unlike a DistributedSampler,
     # it pads nothing, so each image is counted once
     share = Subset(val_set, range(dist.get_rank(), len(val_set), dist.get_world_size()))
-    # the last step left each rank its own BatchNorm running statistics (DDP copies
-    # rank 0's at the start of each forward only); every rank takes rank 0's
+    # BatchNorm's running statistics now differ between ranks: DDP copies rank 0's
+    # only as each forward starts. Copy them, so every rank scores rank 0's model
     for buffer in model.module.buffers():
         dist.broadcast(buffer, src=0)
     correct = seen = 0
@@ -249,8 +250,8 @@ def save_model(epoch, model, optimizer, args):
             os.fsync(f.fileno())
         os.replace(tmp, file)
     except RuntimeError as e:
-        # a Ctrl-C inside torch.save (interrupt_once's SystemExit) comes out of it
-        # as a RuntimeError: raise the SystemExit again, to end the run quietly
+        # torch.save turns a Ctrl-C (interrupt_once's SystemExit) into a RuntimeError:
+        # raise the SystemExit, so that the run ends quietly
         if isinstance(e.__context__, SystemExit):
             raise e.__context__ from None
         raise
@@ -398,8 +399,8 @@ def launch(main, args):
         for sig in signal.SIGINT, signal.SIGTERM:
             signal.signal(sig, terminate_ranks)
         processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-        # each join() waits for a rank to end; it is True once all have. When one
-        # fails, the others get 5 s to end on their own before torch ends them
+        # join() blocks until a rank ends; True once all have. Unlike join=True, when
+        # a rank fails, the others get 5 s to exit on their own before torch ends them
         while not processes.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
@@ -411,8 +412,7 @@ def launch(main, args):
 
 
 def terminate_ranks(signum, frame):
-    """SIGTERM to each rank, then interrupt_once(). Python's exit then waits
-    for the ranks."""
+    """Stop every rank (SIGTERM), then exit 130 once they have ended."""
     for process in mp.active_children():
         process.terminate()
     interrupt_once(signum, frame)
@@ -422,10 +422,9 @@ def interrupt_once(signum, frame):
     """Ctrl-C or SIGTERM: exit 130, the shell's code for Ctrl-C, and ignore both
     from now on, so that a second Ctrl-C cannot cut the clean-up short."""
     for sig in signal.SIGINT, signal.SIGTERM:
-        # a no-op handler: with SIG_IGN, Python warns of a signal already on its way
+        # a no-op from now on (SIG_IGN would print an error for a signal on its way)
         signal.signal(sig, lambda signum, frame: None)
-    # SystemExit: no traceback, even when it comes while torch handles another
-    # error (under DDP, that of a rank that stopped first)
+    # SystemExit: unlike KeyboardInterrupt, it ends Python without a traceback
     sys.exit(130)
 
 

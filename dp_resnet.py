@@ -22,8 +22,8 @@ import time
 from multiprocessing import forkserver
 from pathlib import Path
 
-# Python's Ctrl-C handler would print a traceback from inside `import torch`,
-# which takes seconds: until the training starts, Ctrl-C ends this process quietly
+# a Ctrl-C during `import torch` (seconds) ends this process without Python's
+# traceback; __main__ then installs the handler for the training
 signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
@@ -62,7 +62,8 @@ def build_model(args, num_classes):
 def worker_init(worker_id):
     """Each loader worker leaves Ctrl-C to the training process, which ends it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # batches as named shared memory: no connection for a Ctrl-C to cut (a traceback)
+    # for a quiet Ctrl-C: batches reach the training process by shared-memory name,
+    # not over a socket, whose cut would print a ConnectionResetError traceback
     torch.multiprocessing.set_sharing_strategy("file_system")
     # a worker from the forkserver would outlive a training process that was killed
     # (by the OOM killer, say): a thread ends the worker once that process has ended
@@ -79,10 +80,10 @@ def prepare_dataloader(dataset, gpus, args):
     if args.workers:
         # workers start from a forkserver, not as forks of this process (Python
         # loses a Ctrl-C that comes during a fork). It imports torch once for all
-        # workers, and this script first, whose SIGINT line keeps a Ctrl-C quiet
+        # workers, after this script, so that the script's SIGINT line covers it too
         preload = [Path(__file__).stem, "torch", "torchvision"]
         torch.multiprocessing.set_forkserver_preload(preload)
-        # started in the script's folder, the forkserver can import the script
+        # the forkserver finds this script by its name only when started in its folder
         cwd = os.getcwd()
         os.chdir(Path(__file__).parent)
         forkserver.ensure_running()
@@ -114,8 +115,8 @@ class Bf16Autocast(torch.nn.Sequential):
 
 def train(model, dataloader, optimizer, device, epoch, args):
     """One epoch: its mean loss, and images/s."""
-    # a seed for each epoch: a resumed run then ends bit for bit as an unbroken
-    # one, its shuffle and random draws too (dropout, random crops, once you add them)
+    # a seed for each epoch: after --resume, the shuffle and the random draws of your
+    # model and data (dropout, random crops) repeat an unbroken run's, bit for bit
     torch.manual_seed(epoch)
     steps = len(dataloader)
     # summed on the device: an .item() at every step would wait for the GPU
@@ -171,8 +172,8 @@ def save_model(epoch, net, optimizer, args):
             os.fsync(f.fileno())
         os.replace(tmp, file)
     except RuntimeError as e:
-        # a Ctrl-C inside torch.save (interrupt_once's SystemExit) comes out of it
-        # as a RuntimeError: raise the SystemExit again, to end the run quietly
+        # torch.save turns a Ctrl-C (interrupt_once's SystemExit) into a RuntimeError:
+        # raise the SystemExit, so that the run ends quietly
         if isinstance(e.__context__, SystemExit):
             raise e.__context__ from None
         raise
@@ -262,10 +263,9 @@ def interrupt_once(signum, frame):
     """Ctrl-C or SIGTERM: exit 130, the shell's code for Ctrl-C, and ignore both
     from now on, so that a second Ctrl-C cannot cut the clean-up short."""
     for sig in signal.SIGINT, signal.SIGTERM:
-        # a no-op handler: with SIG_IGN, Python warns of a signal already on its way
+        # a no-op from now on (SIG_IGN would print an error for a signal on its way)
         signal.signal(sig, lambda signum, frame: None)
-    # SystemExit: no traceback, even when it comes while torch handles another
-    # error (under DDP, that of a rank that stopped first)
+    # SystemExit: unlike KeyboardInterrupt, it ends Python without a traceback
     sys.exit(130)
 
 

@@ -139,7 +139,7 @@ def test_the_repeated_helpers_and_launching_are_the_same_in_every_script():
         ("# --- launching", "# --- end of launching ---", DDP),
         ("def positive", "\n\n\n", SCRIPTS),
         ("def interrupt_once", "\n\n\n", SCRIPTS),
-        ("# Python's Ctrl-C handler would", "import torch", DDP),
+        ("# a Ctrl-C during `import torch`", "import torch\n", DDP),
         ("def worker_init", "\n\n\n", ["dp_resnet.py", "ddp_resnet.py"]),
         ("def exit_after_parent", "\n\n\n", ["dp_resnet.py", "ddp_resnet.py"]),
     ):
