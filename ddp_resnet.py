@@ -354,6 +354,8 @@ def print_start(model, steps, num_images, first_epoch, device, args):
     )
     if first_epoch > 1:
         line += f" | resuming from epoch_{first_epoch - 1}.pt"
+    elif args.resume:
+        line += " | no checkpoint to resume from"
     print0(line)
 
 

@@ -222,6 +222,8 @@ def run_training(gpus, train_set, num_classes, first_epoch, args):
     )
     if first_epoch > 1:
         line += f" | resuming from epoch_{first_epoch - 1}.pt"
+    elif args.resume:
+        line += " | no checkpoint to resume from"
     print(line)
     # fixed: the tutorial's range(1, 30) ran 29 epochs
     epochs = range(first_epoch, args.epochs + 1)

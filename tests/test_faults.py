@@ -538,5 +538,9 @@ def test_file_size_limit_during_a_dp_save(tmp_path):
     )
     assert res.returncode != 0 and "OSError: [Errno 27] File too large" in res.stderr
     assert saved(folder) == []
-    run(command("dp", "--epochs", 2, "--resume", "--ckpt-dir", folder), timeout=TIMEOUT)
+    res = run(command("dp", "--epochs", 2, "--resume", "--ckpt-dir", folder), timeout=TIMEOUT)
+    # --resume with nothing to resume from starts at epoch 1, and says so
+    assert res.stdout.splitlines()[0].endswith(
+        f"| epochs 1-2 | ckpt_dir {folder} | no checkpoint to resume from"
+    )
     assert saved(folder) == [1, 2]

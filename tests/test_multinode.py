@@ -226,5 +226,6 @@ def test_elastic_restart_resumes_and_matches_an_uninterrupted_run(uninterrupted,
     os.kill(rank0, signal.SIGKILL)
     res = finish(agent, timeout=300)
     starts = [line for line in res.stdout.splitlines() if line.startswith("start |")]
-    assert "| epochs 1-3 |" in starts[0] and re.search(r"\| epochs [23]-3 \|", starts[1]), starts
+    assert starts[0].endswith(f"| epochs 1-3 | ckpt_dir {ckpt} | no checkpoint to resume from")
+    assert re.search(r"\| epochs [23]-3 \|", starts[1]), starts
     same_weights(uninterrupted[0] / "epoch_3.pt", ckpt / "epoch_3.pt")
