@@ -237,7 +237,7 @@ def launch(main, args):
 
 
 def terminate_ranks(signum, frame):
-    """Stop every rank (SIGTERM), then exit 130 once they have ended."""
+    """Stop every rank (SIGTERM), then exit 130 as they do."""
     for process in mp.active_children():
         process.terminate()
     interrupt_once(signum, frame)
@@ -247,7 +247,7 @@ def interrupt_once(signum, frame):
     """Ctrl-C or SIGTERM: exit 130, the shell's code for Ctrl-C, and ignore both
     from now on, so that a second Ctrl-C cannot cut the clean-up short."""
     for sig in signal.SIGINT, signal.SIGTERM:
-        # a no-op from now on (SIG_IGN would print an error for a signal on its way)
+        # a no-op, not SIG_IGN: it can print "Signal 15 ignored due to race condition"
         signal.signal(sig, lambda signum, frame: None)
     # SystemExit: unlike KeyboardInterrupt, it ends Python without a traceback
     sys.exit(130)

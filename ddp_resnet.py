@@ -206,8 +206,8 @@ def evaluate(model, val_set, device, args):
     # this rank's share, every world_size-th image: unlike a DistributedSampler,
     # it pads nothing, so each image is counted once
     share = Subset(val_set, range(dist.get_rank(), len(val_set), dist.get_world_size()))
-    # BatchNorm's running statistics now differ between ranks: DDP copies rank 0's
-    # only as each forward starts. Copy them, so every rank scores rank 0's model
+    # BatchNorm's running statistics now differ between ranks (each saw its own
+    # batches): take rank 0's, so that every rank scores the same model
     for buffer in model.module.buffers():
         dist.broadcast(buffer, src=0)
     correct = seen = 0
@@ -414,7 +414,7 @@ def launch(main, args):
 
 
 def terminate_ranks(signum, frame):
-    """Stop every rank (SIGTERM), then exit 130 once they have ended."""
+    """Stop every rank (SIGTERM), then exit 130 as they do."""
     for process in mp.active_children():
         process.terminate()
     interrupt_once(signum, frame)
@@ -424,7 +424,7 @@ def interrupt_once(signum, frame):
     """Ctrl-C or SIGTERM: exit 130, the shell's code for Ctrl-C, and ignore both
     from now on, so that a second Ctrl-C cannot cut the clean-up short."""
     for sig in signal.SIGINT, signal.SIGTERM:
-        # a no-op from now on (SIG_IGN would print an error for a signal on its way)
+        # a no-op, not SIG_IGN: it can print "Signal 15 ignored due to race condition"
         signal.signal(sig, lambda signum, frame: None)
     # SystemExit: unlike KeyboardInterrupt, it ends Python without a traceback
     sys.exit(130)
