@@ -144,6 +144,11 @@ def prepare_dataloader(dataset, device, args):
         os.chdir(Path(__file__).parent)
         forkserver.ensure_running()
         os.chdir(cwd)
+        # a first process through it waits for its imports: a worker asked for
+        # before then would be forked even after a stop, and fail (a traceback)
+        first = mp.get_context("forkserver").Process(target=int)
+        first.start()
+        first.join()
     return DataLoader(
         dataset,
         args.batch_size,

@@ -88,6 +88,11 @@ def prepare_dataloader(dataset, gpus, args):
         os.chdir(Path(__file__).parent)
         forkserver.ensure_running()
         os.chdir(cwd)
+        # a first process through it waits for its imports: a worker asked for
+        # before then would be forked even after a stop, and fail (a traceback)
+        first = torch.multiprocessing.get_context("forkserver").Process(target=int)
+        first.start()
+        first.join()
     return DataLoader(
         dataset,
         # the global batch: DataParallel splits it between the GPUs

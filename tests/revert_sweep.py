@@ -293,14 +293,28 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         "ddp: the forkserver starts in the caller's folder",
         "ddp_resnet.py",
         [("        os.chdir(Path(__file__).parent)\n", "")],
-        "tests/test_faults.py::test_ctrl_c_while_the_forkserver_loads_torch_is_quiet[ddp_resnet.py]",
+        "tests/test_faults.py::test_a_stop_while_the_forkserver_loads_torch_is_quiet[ddp_resnet.py-ctrl_c]",
     ),
     (  # from another folder the forkserver cannot find the script, and imports torch with
         # Python's own SIGINT handler: a Ctrl-C then prints its traceback
         "dp: the forkserver starts in the caller's folder",
         "dp_resnet.py",
         [("        os.chdir(Path(__file__).parent)\n", "")],
-        "tests/test_faults.py::test_ctrl_c_while_the_forkserver_loads_torch_is_quiet[dp_resnet.py]",
+        "tests/test_faults.py::test_a_stop_while_the_forkserver_loads_torch_is_quiet[dp_resnet.py-ctrl_c]",
+    ),
+    (  # a stop while the forkserver imports: the worker asked for is forked after the rank
+        # has ended, and fails to open the rank's semaphores (a traceback)
+        "ddp: no first process through the forkserver",
+        "ddp_resnet.py",
+        [("        first.start()\n        first.join()\n", "")],
+        "tests/test_faults.py::test_a_stop_while_the_forkserver_loads_torch_is_quiet[ddp_resnet.py-sigterm]",
+    ),
+    (  # a stop while the forkserver imports: the worker asked for is forked after the rank
+        # has ended, and fails to open the rank's semaphores (a traceback)
+        "dp: no first process through the forkserver",
+        "dp_resnet.py",
+        [("        first.start()\n        first.join()\n", "")],
+        "tests/test_faults.py::test_a_stop_while_the_forkserver_loads_torch_is_quiet[dp_resnet.py-sigterm]",
     ),
     (
         "ddp: weights_only=False",

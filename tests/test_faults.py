@@ -427,38 +427,61 @@ def forkservers_importing_torch(mark: str) -> list:
     return [p for p in tagged(mark) if "forkserver" in cmdline(p) and importing_torch(p)]
 
 
+def waits_on_a_pipe(pid: int) -> bool:
+    """The process's main thread is blocked reading a pipe (as for the pid of a process that the
+    forkserver has yet to fork)."""
+    try:
+        return "pipe" in open(f"/proc/{pid}/wchan").read()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("stop", ["ctrl_c", "sigterm"])
 @pytest.mark.parametrize("script", ["ddp_resnet.py", "dp_resnet.py"])
-def test_ctrl_c_while_the_forkserver_loads_torch_is_quiet(script, tmp_path):
-    """Ctrl-C while the forkserver of the loader's workers loads torch and the training process
-    waits for its first worker (the first seconds of a run with --workers, the default on a
-    GPU): exit 130, no traceback, nothing left. Before, the forkserver imported torch with
-    Python's own SIGINT handler and printed a KeyboardInterrupt traceback from inside the import
-    (11 of 12 runs, Ctrl-C at a random moment of its first 3 s); now it imports the script
-    first, whose first line comes first. A forkserver that outlived the Ctrl-C would fork the
-    worker asked for, which fails to open a semaphore its rank removed as it ended. Held
-    stopped here, as on a busy machine, until the rank has asked. Run from another folder, as
-    `torchrun path/to/ddp_resnet.py` is: the forkserver finds the script only because it
-    starts in the script's folder."""
+def test_a_stop_while_the_forkserver_loads_torch_is_quiet(script, stop, tmp_path):
+    """Ctrl-C, or SIGTERM to the launcher alone (`kill PID`), while the forkserver of the
+    loader's workers loads torch and the training process waits for it (the first seconds of a
+    run with --workers, the default on a GPU): exit 130, no traceback, nothing left.
+    Ctrl-C: before, the forkserver imported torch with Python's own SIGINT handler and printed a
+    KeyboardInterrupt traceback from inside the import (11 of 12 runs, Ctrl-C at a random
+    moment of its first 3 s); now it imports the script first, whose first line comes first.
+    SIGTERM reaches the ranks alone: the forkserver, done with its imports, forked the worker
+    asked for, which failed to open a semaphore its rank removed as it ended (12 of 20 runs
+    stopped at a random moment of 5-10 s). Now the first request is a throwaway process, whose
+    fork fails nothing. The forkserver is held stopped here, as on a busy machine, until the
+    training process has asked (its main thread blocks on a pipe; 10 s where /proc cannot say).
+    Run from another folder, as `torchrun path/to/ddp_resnet.py` is: the forkserver finds the
+    script only because it starts in the script's folder."""
     flags = ["--workers", 1, "--epochs", 2, "--ckpt-dir", tmp_path / "ckpt"]
-    if script == "ddp_resnet.py":
-        proc = start(torchrun(script, 1, *LONG, *flags), cwd=tmp_path)
-    else:
+    if script == "dp_resnet.py":
         proc = start(python(script, *LONG[:-2], *flags), cwd=tmp_path)
+    elif stop == "ctrl_c":
+        proc = start(torchrun(script, 1, *LONG, *flags), cwd=tmp_path)
+    else:  # spawned: torchrun sends its SIGTERM to the rank's process group, forkserver too
+        proc = start(python(script, *LONG, *flags, "--nprocs", 1), cwd=tmp_path)
     deadline = time.monotonic() + TIMEOUT
     while not (servers := forkservers_importing_torch(proc.mark)):
         assert time.monotonic() < deadline and proc.poll() is None, "no forkserver"
         time.sleep(0.005)
     os.kill(servers[0], signal.SIGSTOP)
-    for _ in lines(proc, TIMEOUT, until=lambda line: line.startswith("start | ")):
-        pass
-    time.sleep(2)  # the first epoch's loader asks the forkserver for its worker, and waits
-    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole group
+    trainer = proc.pid  # dp_resnet.py; else the rank:
+    if script == "ddp_resnet.py":
+        rank = ("spawn_main", script)[stop == "ctrl_c"]
+        trainer = next(p for p in tagged(proc.mark) if rank in cmdline(p) and p != proc.pid)
+    deadline = time.monotonic() + 10
+    while not waits_on_a_pipe(trainer) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    if stop == "ctrl_c":
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole group
+    else:
+        os.kill(proc.pid, signal.SIGTERM)  # the launcher alone: torchrun, or dp_resnet.py
     os.kill(servers[0], signal.SIGCONT)
     res = finish(proc, timeout=30, check=False)  # and nothing left
     for sign in ("forkserver.py", "synchronize.py"):  # its traceback, or its worker's
         assert sign not in res.stderr, res.stderr[-3000:]
-    interrupted(res, "torchrun" if script == "ddp_resnet.py" else "dp")
-    assert "epoch 1/2 | loss" not in res.stdout, res.stdout  # the Ctrl-C came before it
+    how = "dp" if script == "dp_resnet.py" else "torchrun" if stop == "ctrl_c" else "spawn"
+    interrupted(res, how)
+    assert "epoch 1/2 | loss" not in res.stdout, res.stdout  # the stop came before it
 
 
 def listening(port: int) -> bool:
