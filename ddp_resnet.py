@@ -144,11 +144,10 @@ def prepare_dataloader(dataset, device, args):
         os.chdir(Path(__file__).parent)
         forkserver.ensure_running()
         os.chdir(cwd)
-        # a first process through it waits for its imports: a worker asked for
-        # before then would be forked even after a stop, and fail (a traceback)
-        first = mp.get_context("forkserver").Process(target=int)
-        first.start()
-        first.join()
+        # a throwaway process: its start() returns once the forkserver has done its
+        # imports and forked it. A worker asked for before then would be forked even
+        # after this process had stopped, and fail (a traceback)
+        mp.get_context("forkserver").Process(target=int).start()
     return DataLoader(
         dataset,
         args.batch_size,

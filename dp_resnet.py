@@ -88,11 +88,10 @@ def prepare_dataloader(dataset, gpus, args):
         os.chdir(Path(__file__).parent)
         forkserver.ensure_running()
         os.chdir(cwd)
-        # a first process through it waits for its imports: a worker asked for
-        # before then would be forked even after a stop, and fail (a traceback)
-        first = torch.multiprocessing.get_context("forkserver").Process(target=int)
-        first.start()
-        first.join()
+        # a throwaway process: its start() returns once the forkserver has done its
+        # imports and forked it. A worker asked for before then would be forked even
+        # after this process had stopped, and fail (a traceback)
+        torch.multiprocessing.get_context("forkserver").Process(target=int).start()
     return DataLoader(
         dataset,
         # the global batch: DataParallel splits it between the GPUs

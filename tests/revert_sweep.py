@@ -306,14 +306,19 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         # has ended, and fails to open the rank's semaphores (a traceback)
         "ddp: no first process through the forkserver",
         "ddp_resnet.py",
-        [("        first.start()\n        first.join()\n", "")],
+        [('        mp.get_context("forkserver").Process(target=int).start()\n', "")],
         "tests/test_faults.py::test_a_stop_while_the_forkserver_loads_torch_is_quiet[ddp_resnet.py-sigterm]",
     ),
     (  # a stop while the forkserver imports: the worker asked for is forked after the rank
         # has ended, and fails to open the rank's semaphores (a traceback)
         "dp: no first process through the forkserver",
         "dp_resnet.py",
-        [("        first.start()\n        first.join()\n", "")],
+        [
+            (
+                '        torch.multiprocessing.get_context("forkserver").Process(target=int).start()\n',
+                "",
+            )
+        ],
         "tests/test_faults.py::test_a_stop_while_the_forkserver_loads_torch_is_quiet[dp_resnet.py-sigterm]",
     ),
     (

@@ -448,26 +448,27 @@ def test_a_stop_while_the_forkserver_loads_torch_is_quiet(script, stop, tmp_path
     SIGTERM reaches the ranks alone: the forkserver, done with its imports, forked the worker
     asked for, which failed to open a semaphore its rank removed as it ended (12 of 20 runs
     stopped at a random moment of 5-10 s). Now the first request is a throwaway process, whose
-    fork fails nothing. The forkserver is held stopped here, as on a busy machine, until the
+    start() waits for the imports and whose fork fails nothing. The forkserver is held stopped here, as on a busy machine, until the
     training process has asked (its main thread blocks on a pipe; 10 s where /proc cannot say).
     Run from another folder, as `torchrun path/to/ddp_resnet.py` is: the forkserver finds the
     script only because it starts in the script's folder."""
     flags = ["--workers", 1, "--epochs", 2, "--ckpt-dir", tmp_path / "ckpt"]
     if script == "dp_resnet.py":
-        proc = start(python(script, *LONG[:-2], *flags), cwd=tmp_path)
+        how, cmd = "dp", python(script, *LONG[:-2], *flags)
     elif stop == "ctrl_c":
-        proc = start(torchrun(script, 1, *LONG, *flags), cwd=tmp_path)
+        how, cmd = "torchrun", torchrun(script, 1, *LONG, *flags)
     else:  # spawned: torchrun sends its SIGTERM to the rank's process group, forkserver too
-        proc = start(python(script, *LONG, *flags, "--nprocs", 1), cwd=tmp_path)
+        how, cmd = "spawn", python(script, *LONG, *flags, "--nprocs", 1)
+    proc = start(cmd, cwd=tmp_path)
     deadline = time.monotonic() + TIMEOUT
     while not (servers := forkservers_importing_torch(proc.mark)):
         assert time.monotonic() < deadline and proc.poll() is None, "no forkserver"
         time.sleep(0.005)
     os.kill(servers[0], signal.SIGSTOP)
-    trainer = proc.pid  # dp_resnet.py; else the rank:
-    if script == "ddp_resnet.py":
-        rank = ("spawn_main", script)[stop == "ctrl_c"]
-        trainer = next(p for p in tagged(proc.mark) if rank in cmdline(p) and p != proc.pid)
+    trainer = proc.pid  # dp_resnet.py trains in the process it started as
+    if how != "dp":  # the one rank: torchrun starts the script, mp.spawn its spawn_main
+        marker = script if how == "torchrun" else "spawn_main"
+        trainer = next(p for p in tagged(proc.mark) if marker in cmdline(p) and p != proc.pid)
     deadline = time.monotonic() + 10
     while not waits_on_a_pipe(trainer) and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -479,7 +480,6 @@ def test_a_stop_while_the_forkserver_loads_torch_is_quiet(script, stop, tmp_path
     res = finish(proc, timeout=30, check=False)  # and nothing left
     for sign in ("forkserver.py", "synchronize.py"):  # its traceback, or its worker's
         assert sign not in res.stderr, res.stderr[-3000:]
-    how = "dp" if script == "dp_resnet.py" else "torchrun" if stop == "ctrl_c" else "spawn"
     interrupted(res, how)
     assert "epoch 1/2 | loss" not in res.stdout, res.stdout  # the stop came before it
 

@@ -130,8 +130,8 @@ def section(text: str, start: str, end: str) -> str:
 
 def test_the_repeated_helpers_and_launching_are_the_same_in_every_script():
     """Each file runs alone, so ddp_setup, print0, interrupt_once, positive, worker_init,
-    exit_after_parent and the launching section are copies: a fix proven through one script (the free port, the thread
-    split, the backend) holds in all of them."""
+    exit_after_parent and the launching section are copies: a fix proven through one script
+    (the free port, the thread split, the backend) holds in all of them."""
     texts = {s: (ROOT / s).read_text() for s in SCRIPTS}
     for start, end, scripts in (
         ("def ddp_setup", "\n\n\n", DDP),
