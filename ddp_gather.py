@@ -15,8 +15,7 @@ import sys
 from datetime import timedelta
 from pathlib import Path
 
-# a Ctrl-C during `import torch` (seconds) ends this process without Python's
-# traceback; ddp_setup then installs the handler for the training
+# Ctrl-C while torch imports (seconds): exit at once, quietly; ddp_setup takes over
 signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
@@ -44,8 +43,7 @@ def ddp_setup(local_rank, args):
         # NCCL: tell the group this rank's GPU (barrier() warns without it)
         device_id=device if cuda else None,
     )
-    # from here on, Ctrl-C and SIGTERM exit 130 without a traceback (interrupt_once,
-    # in the launching section at the end of this file)
+    # from here on, Ctrl-C and SIGTERM exit 130 quietly (interrupt_once, at the end)
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, interrupt_once)
     return device

@@ -21,8 +21,7 @@ from datetime import timedelta
 from multiprocessing import forkserver
 from pathlib import Path
 
-# a Ctrl-C during `import torch` (seconds) ends this process without Python's
-# traceback; ddp_setup then installs the handler for the training
+# Ctrl-C while torch imports (seconds): exit at once, quietly; ddp_setup takes over
 signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
@@ -60,8 +59,7 @@ def ddp_setup(local_rank, args):
         # NCCL: tell the group this rank's GPU (barrier() warns without it)
         device_id=device if cuda else None,
     )
-    # from here on, Ctrl-C and SIGTERM exit 130 without a traceback (interrupt_once,
-    # in the launching section at the end of this file)
+    # from here on, Ctrl-C and SIGTERM exit 130 quietly (interrupt_once, at the end)
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, interrupt_once)
     return device
@@ -116,38 +114,11 @@ def build_model(args, num_classes):
     return models.get_model(args.arch, weights=None, num_classes=num_classes)
 
 
-def worker_init(worker_id):
-    """Each loader worker leaves Ctrl-C to the training process, which ends it."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # for a quiet Ctrl-C: batches reach the training process by shared-memory name,
-    # not over a socket, whose cut would print a ConnectionResetError traceback
-    torch.multiprocessing.set_sharing_strategy("file_system")
-    # a worker from the forkserver would outlive a training process that was killed
-    # (by the OOM killer, say): a thread ends the worker once that process has ended
-    threading.Thread(target=exit_after_parent, daemon=True).start()
-
-
-def exit_after_parent():
-    """Block until the training process has ended, then end this worker."""
-    torch.multiprocessing.parent_process().join()
-    os._exit(1)
-
-
 def prepare_dataloader(dataset, device, args):
     if args.workers:
-        # workers start from a forkserver, not as forks of this rank (a fork can stall
-        # on gloo's or NCCL's threads). It imports torch once for all workers, after
-        # this script, so that the script's SIGINT line covers that import too
-        mp.set_forkserver_preload([Path(__file__).stem, "torch", "torchvision"])
-        # the forkserver finds this script by its name only when started in its folder
-        cwd = os.getcwd()
-        os.chdir(Path(__file__).parent)
-        forkserver.ensure_running()
-        os.chdir(cwd)
-        # a throwaway process: its start() returns once the forkserver has done its
-        # imports and forked it. A worker asked for before then would be forked even
-        # after this process had stopped, and fail (a traceback)
-        mp.get_context("forkserver").Process(target=int).start()
+        # workers from a forkserver, not forks of this rank: a fork can stall on
+        # gloo's or NCCL's threads
+        start_forkserver()
     return DataLoader(
         dataset,
         args.batch_size,
@@ -254,8 +225,7 @@ def save_model(epoch, model, optimizer, args):
             os.fsync(f.fileno())
         os.replace(tmp, file)
     except RuntimeError as e:
-        # torch.save turns a Ctrl-C (interrupt_once's SystemExit) into a RuntimeError:
-        # raise the SystemExit, so that the run ends quietly
+        # torch.save turns a Ctrl-C's SystemExit into a RuntimeError: unwrap it
         if isinstance(e.__context__, SystemExit):
             raise e.__context__ from None
         raise
@@ -380,6 +350,37 @@ def report(results, steps, device, args):
             **results,
         )
         Path(args.metrics_out).write_text(json.dumps(metrics, indent=1))
+
+
+# --- loader workers (--workers): copy this section with prepare_dataloader ---
+def start_forkserver():
+    """Start the forkserver that forks the loader workers, and wait for its imports."""
+    # this script first: its SIGINT line then covers the forkserver's `import torch`
+    mp.set_forkserver_preload([Path(__file__).stem, "torch", "torchvision"])
+    # it finds this script by name only if started in the script's folder
+    cwd = os.getcwd()
+    os.chdir(Path(__file__).parent)
+    forkserver.ensure_running()
+    os.chdir(cwd)
+    # start() returns once the forkserver has imported torch and forked this process;
+    # a worker asked for earlier, by a rank that then stopped, printed a traceback
+    mp.get_context("forkserver").Process(target=int).start()
+
+
+def worker_init(worker_id):
+    """In each worker: quiet on Ctrl-C, and gone once its training process is."""
+    # Ctrl-C reaches the workers too: the training process ends them
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # batches by shared-memory name, not over a socket that a Ctrl-C could cut
+    mp.set_sharing_strategy("file_system")
+    # the forkserver's child, a worker outlived a training process that was killed
+    threading.Thread(target=exit_after_parent, daemon=True).start()
+
+
+def exit_after_parent():
+    """Block until the training process has ended, then end this worker."""
+    mp.parent_process().join()
+    os._exit(1)
 
 
 # --- launching: copy this section whole; the lines marked optional may go ---

@@ -22,11 +22,11 @@ import time
 from multiprocessing import forkserver
 from pathlib import Path
 
-# a Ctrl-C during `import torch` (seconds) ends this process without Python's
-# traceback; __main__ then installs the handler for the training
+# Ctrl-C while torch imports (seconds): exit at once, quietly; __main__ takes over
 signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
+import torch.multiprocessing as mp
 import torchvision.transforms as T
 from torch.utils.data import ConcatDataset, DataLoader, Subset, TensorDataset
 from torchvision import datasets, models
@@ -59,39 +59,11 @@ def build_model(args, num_classes):
     return models.get_model(args.arch, weights=None, num_classes=num_classes)
 
 
-def worker_init(worker_id):
-    """Each loader worker leaves Ctrl-C to the training process, which ends it."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # for a quiet Ctrl-C: batches reach the training process by shared-memory name,
-    # not over a socket, whose cut would print a ConnectionResetError traceback
-    torch.multiprocessing.set_sharing_strategy("file_system")
-    # a worker from the forkserver would outlive a training process that was killed
-    # (by the OOM killer, say): a thread ends the worker once that process has ended
-    threading.Thread(target=exit_after_parent, daemon=True).start()
-
-
-def exit_after_parent():
-    """Block until the training process has ended, then end this worker."""
-    torch.multiprocessing.parent_process().join()
-    os._exit(1)
-
-
 def prepare_dataloader(dataset, gpus, args):
     if args.workers:
-        # workers start from a forkserver, not as forks of this process (Python
-        # loses a Ctrl-C that comes during a fork). It imports torch once for all
-        # workers, after this script, so that the script's SIGINT line covers it too
-        preload = [Path(__file__).stem, "torch", "torchvision"]
-        torch.multiprocessing.set_forkserver_preload(preload)
-        # the forkserver finds this script by its name only when started in its folder
-        cwd = os.getcwd()
-        os.chdir(Path(__file__).parent)
-        forkserver.ensure_running()
-        os.chdir(cwd)
-        # a throwaway process: its start() returns once the forkserver has done its
-        # imports and forked it. A worker asked for before then would be forked even
-        # after this process had stopped, and fail (a traceback)
-        torch.multiprocessing.get_context("forkserver").Process(target=int).start()
+        # workers from a forkserver, not forks of this process: Python loses a
+        # Ctrl-C that comes during a fork
+        start_forkserver()
     return DataLoader(
         dataset,
         # the global batch: DataParallel splits it between the GPUs
@@ -176,8 +148,7 @@ def save_model(epoch, net, optimizer, args):
             os.fsync(f.fileno())
         os.replace(tmp, file)
     except RuntimeError as e:
-        # torch.save turns a Ctrl-C (interrupt_once's SystemExit) into a RuntimeError:
-        # raise the SystemExit, so that the run ends quietly
+        # torch.save turns a Ctrl-C's SystemExit into a RuntimeError: unwrap it
         if isinstance(e.__context__, SystemExit):
             raise e.__context__ from None
         raise
@@ -265,6 +236,38 @@ def report(results, steps, gpus, device, args):
         Path(args.metrics_out).write_text(json.dumps(metrics, indent=1))
 
 
+# --- loader workers (--workers): copy this section with prepare_dataloader ---
+def start_forkserver():
+    """Start the forkserver that forks the loader workers, and wait for its imports."""
+    # this script first: its SIGINT line then covers the forkserver's `import torch`
+    mp.set_forkserver_preload([Path(__file__).stem, "torch", "torchvision"])
+    # it finds this script by name only if started in the script's folder
+    cwd = os.getcwd()
+    os.chdir(Path(__file__).parent)
+    forkserver.ensure_running()
+    os.chdir(cwd)
+    # start() returns once the forkserver has imported torch and forked this process;
+    # a worker asked for earlier, by a rank that then stopped, printed a traceback
+    mp.get_context("forkserver").Process(target=int).start()
+
+
+def worker_init(worker_id):
+    """In each worker: quiet on Ctrl-C, and gone once its training process is."""
+    # Ctrl-C reaches the workers too: the training process ends them
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # batches by shared-memory name, not over a socket that a Ctrl-C could cut
+    mp.set_sharing_strategy("file_system")
+    # the forkserver's child, a worker outlived a training process that was killed
+    threading.Thread(target=exit_after_parent, daemon=True).start()
+
+
+def exit_after_parent():
+    """Block until the training process has ended, then end this worker."""
+    mp.parent_process().join()
+    os._exit(1)
+
+
+# --- end of loader workers ---
 def interrupt_once(signum, frame):
     """Ctrl-C or SIGTERM: exit 130, the shell's code for Ctrl-C, and ignore both
     from now on, so that a second Ctrl-C cannot cut the clean-up short."""

@@ -183,7 +183,7 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         "ddp_resnet.py",
         [
             (
-                '        mp.set_forkserver_preload([Path(__file__).stem, "torch", "torchvision"])\n',
+                '    mp.set_forkserver_preload([Path(__file__).stem, "torch", "torchvision"])\n',
                 "",
             )
         ],
@@ -252,7 +252,7 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
     (
         "dp: batches as file descriptors",
         "dp_resnet.py",
-        [('    torch.multiprocessing.set_sharing_strategy("file_system")\n', "")],
+        [('    mp.set_sharing_strategy("file_system")\n', "")],
         "tests/test_own_model.py::test_ctrl_c_while_a_worker_hands_a_batch_over_is_quiet",
     ),
     (  # the epoch's last step breaks out of the loop, as --max-steps once did
@@ -292,33 +292,28 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         # Python's own SIGINT handler: a Ctrl-C then prints its traceback
         "ddp: the forkserver starts in the caller's folder",
         "ddp_resnet.py",
-        [("        os.chdir(Path(__file__).parent)\n", "")],
+        [("    os.chdir(Path(__file__).parent)\n", "")],
         "tests/test_faults.py::test_a_stop_while_the_forkserver_loads_torch_is_quiet[ddp_resnet.py-ctrl_c]",
     ),
     (  # from another folder the forkserver cannot find the script, and imports torch with
         # Python's own SIGINT handler: a Ctrl-C then prints its traceback
         "dp: the forkserver starts in the caller's folder",
         "dp_resnet.py",
-        [("        os.chdir(Path(__file__).parent)\n", "")],
+        [("    os.chdir(Path(__file__).parent)\n", "")],
         "tests/test_faults.py::test_a_stop_while_the_forkserver_loads_torch_is_quiet[dp_resnet.py-ctrl_c]",
     ),
     (  # a stop while the forkserver imports: the worker asked for is forked after the rank
         # has ended, and fails to open the rank's semaphores (a traceback)
         "ddp: no first process through the forkserver",
         "ddp_resnet.py",
-        [('        mp.get_context("forkserver").Process(target=int).start()\n', "")],
+        [('    mp.get_context("forkserver").Process(target=int).start()\n', "")],
         "tests/test_faults.py::test_a_stop_while_the_forkserver_loads_torch_is_quiet[ddp_resnet.py-sigterm]",
     ),
     (  # a stop while the forkserver imports: the worker asked for is forked after the rank
         # has ended, and fails to open the rank's semaphores (a traceback)
         "dp: no first process through the forkserver",
         "dp_resnet.py",
-        [
-            (
-                '        torch.multiprocessing.get_context("forkserver").Process(target=int).start()\n',
-                "",
-            )
-        ],
+        [('    mp.get_context("forkserver").Process(target=int).start()\n', "")],
         "tests/test_faults.py::test_a_stop_while_the_forkserver_loads_torch_is_quiet[dp_resnet.py-sigterm]",
     ),
     (

@@ -129,9 +129,9 @@ def section(text: str, start: str, end: str) -> str:
 
 
 def test_the_repeated_helpers_and_launching_are_the_same_in_every_script():
-    """Each file runs alone, so ddp_setup, print0, interrupt_once, positive, worker_init,
-    exit_after_parent and the launching section are copies: a fix proven through one script
-    (the free port, the thread split, the backend) holds in all of them."""
+    """Each file runs alone, so ddp_setup, print0, interrupt_once, positive, the loader
+    workers' helpers and the launching section are copies: a fix proven through one script (the
+    free port, the thread split, the backend) holds in all of them."""
     texts = {s: (ROOT / s).read_text() for s in SCRIPTS}
     for start, end, scripts in (
         ("def ddp_setup", "\n\n\n", DDP),
@@ -139,7 +139,8 @@ def test_the_repeated_helpers_and_launching_are_the_same_in_every_script():
         ("# --- launching", "# --- end of launching ---", DDP),
         ("def positive", "\n\n\n", SCRIPTS),
         ("def interrupt_once", "\n\n\n", SCRIPTS),
-        ("# a Ctrl-C during `import torch`", "import torch\n", DDP),
+        ("# Ctrl-C while torch imports", "import torch\n", DDP),
+        ("def start_forkserver", "\n\n\n", ["dp_resnet.py", "ddp_resnet.py"]),
         ("def worker_init", "\n\n\n", ["dp_resnet.py", "ddp_resnet.py"]),
         ("def exit_after_parent", "\n\n\n", ["dp_resnet.py", "ddp_resnet.py"]),
     ):
