@@ -101,13 +101,12 @@ def launch(main, args):
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # Ctrl-C in a terminal reaches every process, `kill PID` only this launcher:
-        # on either, the launcher stops the ranks
+        # `kill PID` reaches only this launcher (Ctrl-C, every process): pass it on
         for sig in signal.SIGINT, signal.SIGTERM:
             signal.signal(sig, terminate_ranks)
         processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-        # join() blocks until a rank ends; True once all have. Unlike join=True, when
-        # a rank fails, the others get 5 s to exit on their own before torch ends them
+        # join() waits for a rank to end (True once all have). When one fails, the
+        # others get 5 s to exit on their own (join=True would end them at once)
         while not processes.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:

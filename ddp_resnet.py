@@ -362,8 +362,8 @@ def start_forkserver():
     os.chdir(Path(__file__).parent)
     forkserver.ensure_running()
     os.chdir(cwd)
-    # start() returns once the forkserver has imported torch and forked this process;
-    # a worker asked for earlier, by a rank that then stopped, printed a traceback
+    # a do-nothing process (int() returns 0): its start() returns once the forkserver
+    # is ready. A rank stopped while it still loaded left a worker's traceback
     mp.get_context("forkserver").Process(target=int).start()
 
 
@@ -373,7 +373,8 @@ def worker_init(worker_id):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # batches by shared-memory name, not over a socket that a Ctrl-C could cut
     mp.set_sharing_strategy("file_system")
-    # the forkserver's child, a worker outlived a training process that was killed
+    # a worker is the forkserver's child, not the training process's: without this
+    # thread it would outlive a training process that was killed
     threading.Thread(target=exit_after_parent, daemon=True).start()
 
 
@@ -401,13 +402,12 @@ def launch(main, args):
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # Ctrl-C in a terminal reaches every process, `kill PID` only this launcher:
-        # on either, the launcher stops the ranks
+        # `kill PID` reaches only this launcher (Ctrl-C, every process): pass it on
         for sig in signal.SIGINT, signal.SIGTERM:
             signal.signal(sig, terminate_ranks)
         processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-        # join() blocks until a rank ends; True once all have. Unlike join=True, when
-        # a rank fails, the others get 5 s to exit on their own before torch ends them
+        # join() waits for a rank to end (True once all have). When one fails, the
+        # others get 5 s to exit on their own (join=True would end them at once)
         while not processes.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:

@@ -61,8 +61,7 @@ def build_model(args, num_classes):
 
 def prepare_dataloader(dataset, gpus, args):
     if args.workers:
-        # workers from a forkserver, not forks of this process: Python loses a
-        # Ctrl-C that comes during a fork
+        # workers from a forkserver, not forks: a fork can lose a Ctrl-C
         start_forkserver()
     return DataLoader(
         dataset,
@@ -246,8 +245,8 @@ def start_forkserver():
     os.chdir(Path(__file__).parent)
     forkserver.ensure_running()
     os.chdir(cwd)
-    # start() returns once the forkserver has imported torch and forked this process;
-    # a worker asked for earlier, by a rank that then stopped, printed a traceback
+    # a do-nothing process (int() returns 0): its start() returns once the forkserver
+    # is ready. A rank stopped while it still loaded left a worker's traceback
     mp.get_context("forkserver").Process(target=int).start()
 
 
@@ -257,7 +256,8 @@ def worker_init(worker_id):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # batches by shared-memory name, not over a socket that a Ctrl-C could cut
     mp.set_sharing_strategy("file_system")
-    # the forkserver's child, a worker outlived a training process that was killed
+    # a worker is the forkserver's child, not the training process's: without this
+    # thread it would outlive a training process that was killed
     threading.Thread(target=exit_after_parent, daemon=True).start()
 
 
