@@ -47,7 +47,7 @@ def ddp_setup(local_rank, args):
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL: tell the group this rank's GPU (barrier() warns without it)
+        # NCCL: this rank's GPU, so that the group connects at once, never guessing it
         device_id=device if cuda else None,
     )
     # from here on, Ctrl-C and SIGTERM exit 130 quietly (interrupt_once, at the end)
@@ -208,7 +208,7 @@ def launch(main, args):
             local_rank = int(os.environ.get("LOCAL_RANK") or 0)
             # optional: record adds this rank's traceback to torchrun's report
             return record(main)(local_rank, args)
-        # optional, fixed: a spawned rank gets its share of the cores (by default, all)
+        # optional, fixed: each spawned rank its share of the cores, not every core
         if not os.environ.get("OMP_NUM_THREADS"):
             threads = max(1, os.cpu_count() // args.nprocs)
             os.environ["OMP_NUM_THREADS"] = str(threads)

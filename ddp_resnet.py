@@ -56,7 +56,7 @@ def ddp_setup(local_rank, args):
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL: tell the group this rank's GPU (barrier() warns without it)
+        # NCCL: this rank's GPU, so that the group connects at once, never guessing it
         device_id=device if cuda else None,
     )
     # from here on, Ctrl-C and SIGTERM exit 130 quietly (interrupt_once, at the end)
@@ -363,7 +363,7 @@ def start_forkserver():
     forkserver.ensure_running()
     os.chdir(cwd)
     # a do-nothing process (int() returns 0): its start() returns once the forkserver
-    # is ready. A rank stopped while it still loaded left a worker's traceback
+    # is ready. A stop while it still loaded left a worker's traceback
     mp.get_context("forkserver").Process(target=int).start()
 
 
@@ -373,13 +373,13 @@ def worker_init(worker_id):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # batches by shared-memory name, not over a socket that a Ctrl-C could cut
     mp.set_sharing_strategy("file_system")
-    # a worker is the forkserver's child, not the training process's: without this
-    # thread it would outlive a training process that was killed
+    # the forkserver, not the training process, is a worker's OS parent: without this
+    # thread, a worker outlived a training process that was killed
     threading.Thread(target=exit_after_parent, daemon=True).start()
 
 
 def exit_after_parent():
-    """Block until the training process has ended, then end this worker."""
+    """Wait for the training process (multiprocessing's parent), then end the worker."""
     mp.parent_process().join()
     os._exit(1)
 
@@ -393,7 +393,7 @@ def launch(main, args):
             local_rank = int(os.environ.get("LOCAL_RANK") or 0)
             # optional: record adds this rank's traceback to torchrun's report
             return record(main)(local_rank, args)
-        # optional, fixed: a spawned rank gets its share of the cores (by default, all)
+        # optional, fixed: each spawned rank its share of the cores, not every core
         if not os.environ.get("OMP_NUM_THREADS"):
             threads = max(1, os.cpu_count() // args.nprocs)
             os.environ["OMP_NUM_THREADS"] = str(threads)

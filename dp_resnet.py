@@ -152,7 +152,7 @@ def save_model(epoch, net, optimizer, args):
             raise e.__context__ from None
         raise
     finally:
-        # a failure or Ctrl-C leaves no .tmp (after the rename there is none)
+        # a failure or Ctrl-C leaves no .tmp
         tmp.unlink(missing_ok=True)
     return file
 
@@ -246,7 +246,7 @@ def start_forkserver():
     forkserver.ensure_running()
     os.chdir(cwd)
     # a do-nothing process (int() returns 0): its start() returns once the forkserver
-    # is ready. A rank stopped while it still loaded left a worker's traceback
+    # is ready. A stop while it still loaded left a worker's traceback
     mp.get_context("forkserver").Process(target=int).start()
 
 
@@ -256,13 +256,13 @@ def worker_init(worker_id):
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # batches by shared-memory name, not over a socket that a Ctrl-C could cut
     mp.set_sharing_strategy("file_system")
-    # a worker is the forkserver's child, not the training process's: without this
-    # thread it would outlive a training process that was killed
+    # the forkserver, not the training process, is a worker's OS parent: without this
+    # thread, a worker outlived a training process that was killed
     threading.Thread(target=exit_after_parent, daemon=True).start()
 
 
 def exit_after_parent():
-    """Block until the training process has ended, then end this worker."""
+    """Wait for the training process (multiprocessing's parent), then end the worker."""
     mp.parent_process().join()
     os._exit(1)
 
