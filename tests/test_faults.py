@@ -447,9 +447,10 @@ def test_a_stop_while_the_forkserver_loads_torch_is_quiet(script, stop, tmp_path
     moment of its first 3 s); now it imports the script first, whose first line comes first.
     SIGTERM reaches the ranks alone: the forkserver, done with its imports, forked the worker
     asked for, which failed to open a semaphore its rank removed as it ended (12 of 20 runs
-    stopped at a random moment of 5-10 s). Now the first request is a throwaway process, whose
-    start() waits for the imports and whose fork fails nothing. The forkserver is held stopped here, as on a busy machine, until the
-    training process has asked (its main thread blocks on a pipe; 10 s where /proc cannot say).
+    stopped at a random moment of 5-10 s). Now the first request is a do-nothing process, whose
+    start() waits for the imports and whose fork fails nothing. The forkserver is held stopped
+    here, as on a busy machine, until the training process has asked (its main thread blocks on
+    a pipe; 10 s where /proc cannot say).
     Run from another folder, as `torchrun path/to/ddp_resnet.py` is: the forkserver finds the
     script only because it starts in the script's folder."""
     flags = ["--workers", 1, "--epochs", 2, "--ckpt-dir", tmp_path / "ckpt"]
@@ -475,7 +476,7 @@ def test_a_stop_while_the_forkserver_loads_torch_is_quiet(script, stop, tmp_path
     if stop == "ctrl_c":
         os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole group
     else:
-        os.kill(proc.pid, signal.SIGTERM)  # the launcher alone: torchrun, or dp_resnet.py
+        os.kill(proc.pid, signal.SIGTERM)  # the launcher alone: the spawner, or dp_resnet.py
     os.kill(servers[0], signal.SIGCONT)
     res = finish(proc, timeout=30, check=False)  # and nothing left
     for sign in ("forkserver.py", "synchronize.py"):  # its traceback, or its worker's
