@@ -254,8 +254,9 @@ def worker_init(worker_id):
     """In each worker: quiet on Ctrl-C, and gone once its training process is."""
     # Ctrl-C reaches the workers too: the training process ends them
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # batches by shared-memory name, not over a socket that a Ctrl-C could cut
-    mp.set_sharing_strategy("file_system")
+    # a Ctrl-C that cut a batch's handover (a connection to a thread of this worker)
+    # made that thread print a traceback; a real failure shows in the training process
+    sys.excepthook = lambda *exc_info: None
     # the forkserver, not the training process, is a worker's OS parent: without this
     # thread, a worker outlived a training process that was killed
     threading.Thread(target=exit_after_parent, daemon=True).start()

@@ -250,10 +250,21 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         "tests/test_faults.py::test_a_stop_mid_epoch_then_ctrl_c_during_a_save_then_resume[dp]",
     ),
     (
-        "dp: batches as file descriptors",
+        "dp: a cut batch handover prints",
         "dp_resnet.py",
-        [('    mp.set_sharing_strategy("file_system")\n', "")],
+        [("    sys.excepthook = lambda *exc_info: None\n", "")],
         "tests/test_own_model.py::test_ctrl_c_while_a_worker_hands_a_batch_over_is_quiet",
+    ),
+    (  # each worker's torch_shm_manager aborts when its worker ends first
+        "ddp: batches by shared-memory name",
+        "ddp_resnet.py",
+        [
+            (
+                "    sys.excepthook = lambda *exc_info: None\n",
+                '    mp.set_sharing_strategy("file_system")\n',
+            )
+        ],
+        "tests/test_faults.py::test_ctrl_c_as_the_loader_workers_start_is_quiet_and_leaves_nothing",
     ),
     (  # the epoch's last step breaks out of the loop, as --max-steps once did
         "dp: an epoch leaves its loader early",

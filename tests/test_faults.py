@@ -7,6 +7,7 @@ import re
 import resource
 import signal
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -483,6 +484,53 @@ def test_a_stop_while_the_forkserver_loads_torch_is_quiet(script, stop, tmp_path
         assert sign not in res.stderr, res.stderr[-3000:]
     interrupted(res, how)
     assert "epoch 1/2 | loss" not in res.stdout, res.stdout  # the stop came before it
+
+
+def started_loader_workers(mark: str) -> list:
+    """The run's loader workers that have run worker_init (SIGINT ignored): forks of a
+    forkserver, whose command line they keep."""
+    found = []
+    for pid in tagged(mark):
+        try:
+            status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
+            ignored = int(status["SigIgn"], 16) & 1 << (signal.SIGINT - 1)
+            if ignored and "forkserver" in cmdline(int(status["PPid"])):
+                found.append(pid)
+        except OSError:  # it just ended
+            pass
+    return found
+
+
+def test_ctrl_c_as_the_loader_workers_start_is_quiet_and_leaves_nothing(tmp_path):
+    """Ctrl-C to the whole group just as the second epoch's loader workers have started, 2
+    spawned ranks: exit 130, nothing on stderr, and nothing left in TMPDIR. The training
+    processes end their workers as they exit, whatever the workers are doing. Before, batches
+    went by shared-memory name (the file_system strategy): each worker started a
+    torch_shm_manager for its first batch, which aborted when its worker ended first, printing
+    'terminate called ... what(): Broken pipe' and leaving its folder in TMPDIR (4 of 4 runs)."""
+    # short, under the session's: the forkserver's socket path must fit 107 characters
+    tmp = Path(tempfile.mkdtemp(dir=os.environ["TMPDIR"]))
+    flags = [*LONG[:-4], "--max-steps", 3, "--epochs", 20, "--workers", 2, "--timeout", 60]
+    cmd = python("ddp_resnet.py", *flags, "--ckpt-dir", tmp_path / "ckpt")
+    proc = start(cmd, env={"TMPDIR": str(tmp)})
+    try:
+        for _ in lines(proc, TIMEOUT, until=lambda line: line.startswith("epoch 1/20 | loss")):
+            pass
+        first_epochs = set(started_loader_workers(proc.mark))  # any still closing
+        deadline = time.monotonic() + 60
+        # all 4 started (2 a rank): a Ctrl-C before, while a worker unpickles the queues
+        # its rank has just removed, still prints its traceback (docs/hardening.md)
+        while len(set(started_loader_workers(proc.mark)) - first_epochs) < 4:
+            assert time.monotonic() < deadline and proc.poll() is None, "the 4 never started"
+            time.sleep(0.002)
+        os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole group
+    finally:
+        res = finish(proc, timeout=60, check=False)  # and no process left
+    assert res.returncode == 130 and res.stderr == "", res.stderr[-3000:]
+    assert "epoch 2/20 | loss" not in res.stdout, res.stdout
+    # torch's compiler cache aside (any run that imports torch makes it)
+    left = [f.name for f in tmp.iterdir() if not f.name.startswith("torchinductor_")]
+    assert left == [], left
 
 
 def listening(port: int) -> bool:

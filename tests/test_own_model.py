@@ -204,20 +204,21 @@ RECVMSG = "47"  # x86-64's number for recvmsg, as /proc/PID/syscall shows it
 
 def test_ctrl_c_while_a_worker_hands_a_batch_over_is_quiet(tmp_path):
     """Ctrl-C to the whole group while the training process waits for its worker to hand a
-    batch over: exit 130, no traceback. Once, each batch came as file descriptors, sent by a
-    thread of the worker (multiprocessing's resource_sharer) over a connection the training
-    process opened; a Ctrl-C closed the connection, and that thread printed BrokenPipeError.
-    Here the worker keeps that thread waiting, so the wait is long, and the Ctrl-C comes as soon
-    as /proc shows the training process in recvmsg; after 3 s where it never is (named shared
-    memory: no connection, nothing to cut)."""
+    batch over: exit 130, no traceback. Each batch comes as file descriptors, sent by a thread
+    of the worker (multiprocessing's resource_sharer) over a connection the training process
+    opens; a Ctrl-C closes it, and that thread printed BrokenPipeError or EOFError. Here the
+    worker keeps that thread waiting, so the wait is long, and the Ctrl-C comes as soon as /proc
+    shows the training process in recvmsg. (Named shared memory, the file_system strategy,
+    avoided the connection, but its torch_shm_manager aborted with 'terminate called ... Broken
+    pipe' when a worker died as it started, and left /dev/shm files after a killed rank.)"""
     script, _ = own_copy(tmp_path, "dp_resnet.py", HOLDS_THE_GIL + LINEAR)
     cmd = [sys.executable, script, "--cpu", "--workers", 1, "--batch-size", 2, "--epochs", 1]
     proc = start([str(c) for c in [*cmd, "--ckpt-dir", tmp_path / "ckpt"]], env=ONE_THREAD)
-    waited = False  # for a batch over a connection
+    waited = False  # in recvmsg, for a batch's file descriptors
     try:
         for _ in lines(proc, 120, until=lambda line: line.startswith("epoch 1/1 | step 10/")):
             pass
-        deadline = time.monotonic() + 3
+        deadline = time.monotonic() + 30
         while time.monotonic() < deadline and not waited:
             syscall = Path(f"/proc/{proc.pid}/syscall").read_text().split()[0]
             waited = syscall == RECVMSG
@@ -226,7 +227,7 @@ def test_ctrl_c_while_a_worker_hands_a_batch_over_is_quiet(tmp_path):
     finally:
         res = finish(proc, timeout=60, check=False)  # none outlives the test
     assert res.returncode == 130 and "Traceback" not in res.stderr, res.stderr[-3000:]
-    assert not waited, "a batch came over a connection, which a Ctrl-C can cut"
+    assert waited, "the Ctrl-C never came while the training process waited for a batch"
 
 
 SLOW_RANK = OWN.replace(
