@@ -371,8 +371,8 @@ def worker_init(worker_id):
     """In each worker: quiet on Ctrl-C, and gone once its training process is."""
     # Ctrl-C reaches the workers too: the training process ends them
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # a Ctrl-C that cut a batch's handover (a connection to a thread of this worker)
-    # made that thread print a traceback; a real failure shows in the training process
+    # multiprocessing's resource_sharer thread prints through sys.excepthook when a
+    # Ctrl-C cuts a batch's handover; a real failure shows in the training process
     sys.excepthook = lambda *exc_info: None
     # the forkserver, not the training process, is a worker's OS parent: without this
     # thread, a worker outlived a training process that was killed
