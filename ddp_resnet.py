@@ -403,7 +403,7 @@ def launch(main, args):
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # `kill PID` reaches only this launcher (Ctrl-C, every process): pass it on
+        # Ctrl-C reaches every process, `kill PID` just this one: pass it to the ranks
         for sig in signal.SIGINT, signal.SIGTERM:
             signal.signal(sig, terminate_ranks)
         processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
