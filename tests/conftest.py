@@ -94,6 +94,22 @@ def tagged(mark: str) -> list:
     return pids
 
 
+def started_loader_workers(mark: str) -> list:
+    """The run's loader workers (the processes a forkserver started) once their start has
+    run worker_init: SIGINT is among the signals they ignore."""
+    servers, workers = set(), []
+    for pid in tagged(mark):
+        try:
+            if "forkserver" in open(f"/proc/{pid}/cmdline").read():
+                servers.add(pid)
+            status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
+            if int(status["SigIgn"], 16) & 1 << (signal.SIGINT - 1):
+                workers.append((pid, int(status["PPid"])))
+        except OSError:  # it just ended
+            pass
+    return [pid for pid, parent in workers if parent in servers]
+
+
 def kill_all(proc: subprocess.Popen) -> None:
     for pid in [proc.pid, *tagged(proc.mark)]:
         try:

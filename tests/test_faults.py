@@ -27,6 +27,7 @@ from conftest import (
     run,
     same_weights,
     start,
+    started_loader_workers,
     tagged,
     tmpfs,
     torchrun,
@@ -486,21 +487,6 @@ def test_a_stop_while_the_forkserver_loads_torch_is_quiet(script, stop, tmp_path
     assert "epoch 1/2 | loss" not in res.stdout, res.stdout  # the stop came before it
 
 
-def started_loader_workers(mark: str) -> list:
-    """The run's loader workers that have run worker_init (SIGINT ignored): forks of a
-    forkserver, whose command line they keep."""
-    found = []
-    for pid in tagged(mark):
-        try:
-            status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
-            ignored = int(status["SigIgn"], 16) & 1 << (signal.SIGINT - 1)
-            if ignored and "forkserver" in cmdline(int(status["PPid"])):
-                found.append(pid)
-        except OSError:  # it just ended
-            pass
-    return found
-
-
 def test_ctrl_c_as_the_loader_workers_start_is_quiet_and_leaves_nothing(tmp_path):
     """Ctrl-C to the whole group just as the second epoch's loader workers have started, 2
     spawned ranks: exit 130, nothing on stderr, and nothing left in TMPDIR. The training
@@ -516,7 +502,7 @@ def test_ctrl_c_as_the_loader_workers_start_is_quiet_and_leaves_nothing(tmp_path
     try:
         for _ in lines(proc, TIMEOUT, until=lambda line: line.startswith("epoch 1/20 | loss")):
             pass
-        first_epochs = set(started_loader_workers(proc.mark))  # any still closing
+        first_epochs = set(started_loader_workers(proc.mark))  # epoch 1's, if any linger
         deadline = time.monotonic() + 60
         # all 4 started (2 a rank): a Ctrl-C before, while a worker unpickles the queues
         # its rank has just removed, still prints its traceback (docs/hardening.md)

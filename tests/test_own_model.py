@@ -210,7 +210,7 @@ def test_ctrl_c_while_a_worker_hands_a_batch_over_is_quiet(tmp_path):
     worker keeps that thread waiting, so the wait is long, and the Ctrl-C comes as soon as /proc
     shows the training process in recvmsg. (Named shared memory, the file_system strategy,
     avoided the connection, but its torch_shm_manager aborted with 'terminate called ... Broken
-    pipe' when a worker died as it started, and left /dev/shm files after a killed rank.)"""
+    pipe' when a worker died as it started: test_faults.py, -k workers_start.)"""
     script, _ = own_copy(tmp_path, "dp_resnet.py", HOLDS_THE_GIL + LINEAR)
     cmd = [sys.executable, script, "--cpu", "--workers", 1, "--batch-size", 2, "--epochs", 1]
     proc = start([str(c) for c in [*cmd, "--ckpt-dir", tmp_path / "ckpt"]], env=ONE_THREAD)

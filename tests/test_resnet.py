@@ -26,7 +26,7 @@ from conftest import (
     python,
     run,
     start,
-    tagged,
+    started_loader_workers,
 )
 
 TIMEOUT = 180
@@ -276,22 +276,6 @@ def test_dataparallel_lines_reach_a_log_file_as_they_are_printed(tmp_path):
     assert lines[1].startswith("epoch 1/100 | step 2/2 | loss "), lines
 
 
-def started_workers(mark: str) -> list:
-    """The run's loader workers (the processes a forkserver started) once their start has
-    run worker_init: SIGINT is among the signals they ignore."""
-    servers, workers = set(), []
-    for pid in tagged(mark):
-        try:
-            if "forkserver" in open(f"/proc/{pid}/cmdline").read():
-                servers.add(pid)
-            status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
-            if int(status["SigIgn"], 16) & 1 << (signal.SIGINT - 1):
-                workers.append((pid, int(status["PPid"])))
-        except OSError:  # it just ended
-            pass
-    return [pid for pid, parent in workers if parent in servers]
-
-
 @pytest.mark.parametrize("script", ["ddp_resnet.py", "dp_resnet.py"])
 def test_loader_workers_come_from_a_forkserver_and_ignore_ctrl_c(script, tmp_path):
     """Each epoch's loader workers start from a forkserver that imported torch once. -X
@@ -311,7 +295,7 @@ def test_loader_workers_come_from_a_forkserver_and_ignore_ctrl_c(script, tmp_pat
 
     def interrupt_workers():
         while proc.poll() is None:
-            for pid in set(started_workers(proc.mark)) - interrupted:
+            for pid in set(started_loader_workers(proc.mark)) - interrupted:
                 try:
                     os.kill(pid, signal.SIGINT)
                 except ProcessLookupError:  # its epoch just ended
