@@ -47,7 +47,7 @@ def ddp_setup(local_rank, args):
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL: this rank's GPU, so that the group connects at once, never guessing it
+        # NCCL: bind the group to this rank's GPU and connect now, not at first use
         device_id=device if cuda else None,
     )
     # from here on, Ctrl-C and SIGTERM exit 130 quietly (interrupt_once, at the end)

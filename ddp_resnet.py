@@ -56,7 +56,7 @@ def ddp_setup(local_rank, args):
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL: this rank's GPU, so that the group connects at once, never guessing it
+        # NCCL: bind the group to this rank's GPU and connect now, not at first use
         device_id=device if cuda else None,
     )
     # from here on, Ctrl-C and SIGTERM exit 130 quietly (interrupt_once, at the end)
@@ -95,8 +95,7 @@ def load_datasets(args):
         train_set = datasets.ImageFolder(args.data, transform=preprocess)
         classes = train_set.classes
     else:
-        # no --data: 256 random images labelled by index, repeated 50 times: learnt by
-        # heart, the loss falls. The caller's seed makes them the same on every rank
+        # no --data: 256 random images labelled by index, 50 times over: the loss falls
         images = TensorDataset(torch.randn(256, 3, size, size), torch.arange(256))
         train_set = ConcatDataset([images] * 50)
         classes = list(range(256))
@@ -138,8 +137,8 @@ def train(model, dataloader, optimizer, device, epoch, args):
     """One epoch; the loss averaged over every rank, and images/s."""
     # fixed: without set_epoch every epoch has the same order
     dataloader.sampler.set_epoch(epoch)
-    # a seed for each epoch and rank: after --resume, the random draws of your model
-    # and data (dropout, random crops) repeat those of an unbroken run, bit for bit
+    # per epoch and rank: with --resume, dropout and random crops (in your own model
+    # and data) draw as in an unbroken run, bit for bit
     torch.manual_seed(args.seed + 1000 * epoch + dist.get_rank())
     global_batch = args.batch_size * dist.get_world_size()
     steps = len(dataloader)
@@ -160,7 +159,6 @@ def train(model, dataloader, optimizer, device, epoch, args):
         loss_sum += loss.detach()
         # a line every 10 steps, at the last, and at least every 30 s
         if step % 10 == 0 or step == steps or time.monotonic() - last_print > 30:
-            # .item() waits for the GPU; read the clock after it
             batch_loss = loss.item()
             now = time.monotonic()
             rate = step * global_batch / (now - began)
@@ -181,8 +179,8 @@ def evaluate(model, val_set, device, args):
     # this rank's share, every world_size-th image: unlike a DistributedSampler,
     # it pads nothing, so each image is counted once
     share = Subset(val_set, range(dist.get_rank(), len(val_set), dist.get_world_size()))
-    # BatchNorm's running statistics now differ between ranks (each saw its own
-    # batches): take rank 0's, so that every rank scores the same model
+    # DDP's forward gave every rank rank 0's BatchNorm statistics, then each rank's
+    # batch changed its own: take rank 0's again, so that all score one model
     for buffer in model.module.buffers():
         dist.broadcast(buffer, src=0)
     correct = seen = 0
@@ -253,8 +251,7 @@ def load_model(epoch, model, optimizer, device, args):
 
 def run_training_process_on_given_gpu(local_rank, args):
     device = ddp_setup(local_rank, args)
-    # one seed on every rank: the same synthetic images and --max-steps subset in
-    # each, for the sampler to split (and the same weights in every run)
+    # one seed in every rank: the same synthetic images and --max-steps subset
     torch.manual_seed(args.seed)
     train_set, val_set, num_classes = load_datasets(args)
     if args.max_steps:

@@ -109,7 +109,6 @@ def train(model, dataloader, optimizer, device, epoch, args):
         loss_sum += loss.detach()
         # a line every 10 steps, at the last, and at least every 30 s
         if step % 10 == 0 or step == steps or time.monotonic() - last_print > 30:
-            # .item() waits for the GPU to finish; read the clock after it
             batch_loss = loss.item()
             now = time.monotonic()
             rate = step * args.batch_size / (now - began)
