@@ -95,7 +95,8 @@ def load_datasets(args):
         train_set = datasets.ImageFolder(args.data, transform=preprocess)
         classes = train_set.classes
     else:
-        # no --data: 256 random images labelled by index, 50 times over: the loss falls
+        # no --data: 256 random images, each its own class, 50 copies of each: the
+        # model learns them by heart, and the loss falls
         images = TensorDataset(torch.randn(256, 3, size, size), torch.arange(256))
         train_set = ConcatDataset([images] * 50)
         classes = list(range(256))
@@ -179,8 +180,8 @@ def evaluate(model, val_set, device, args):
     # this rank's share, every world_size-th image: unlike a DistributedSampler,
     # it pads nothing, so each image is counted once
     share = Subset(val_set, range(dist.get_rank(), len(val_set), dist.get_world_size()))
-    # DDP's forward gave every rank rank 0's BatchNorm statistics, then each rank's
-    # batch changed its own: take rank 0's again, so that all score one model
+    # each rank's last batch changed its own BatchNorm statistics: take rank 0's,
+    # so that every rank scores the same model
     for buffer in model.module.buffers():
         dist.broadcast(buffer, src=0)
     correct = seen = 0
@@ -400,7 +401,7 @@ def launch(main, args):
             s.bind(("127.0.0.1", 0))
             os.environ["MASTER_PORT"] = str(s.getsockname()[1])
         os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # Ctrl-C reaches every process, `kill PID` just this one: pass it to the ranks
+        # `kill PID` reaches this process alone: pass it (and Ctrl-C) on to the ranks
         for sig in signal.SIGINT, signal.SIGTERM:
             signal.signal(sig, terminate_ranks)
         processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
