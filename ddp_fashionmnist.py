@@ -155,6 +155,8 @@ def test(model, test_set, device, batch_size):
     return dict(test_accuracy=correct / seen, test_correct=correct, test_samples=seen)
 
 
+# optional: @record puts this rank's traceback in torchrun's failure report
+@record
 def main(local_rank, args):
     device = ddp_setup(local_rank, args)
     # seed 0: the same synthetic data in every rank, the same weights every run
@@ -206,8 +208,7 @@ def launch(main, args):
         if os.environ.get("RANK"):
             # torchrun (or a pod that sets RANK) started this process as one rank
             local_rank = int(os.environ.get("LOCAL_RANK") or 0)
-            # optional: record adds this rank's traceback to torchrun's report
-            return record(main)(local_rank, args)
+            return main(local_rank, args)
         # optional, fixed: each spawned rank its share of the cores, not every core
         if not os.environ.get("OMP_NUM_THREADS"):
             threads = max(1, os.cpu_count() // args.nprocs)
@@ -221,8 +222,8 @@ def launch(main, args):
         for sig in signal.SIGINT, signal.SIGTERM:
             signal.signal(sig, terminate_ranks)
         processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-        # join() waits for a rank to end (True once all have). When one fails, the
-        # others get 5 s to exit on their own (join=True would end them at once)
+        # wait until every rank has ended. When one fails, the others get 5 s to end
+        # on their own, rank 0 to say why (join=True would stop them at once)
         while not processes.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:

@@ -49,6 +49,8 @@ def ddp_setup(local_rank, args):
     return device
 
 
+# optional: @record puts this rank's traceback in torchrun's failure report
+@record
 def main(local_rank, args):
     device = ddp_setup(local_rank, args)
     rank = dist.get_rank()
@@ -90,8 +92,7 @@ def launch(main, args):
         if os.environ.get("RANK"):
             # torchrun (or a pod that sets RANK) started this process as one rank
             local_rank = int(os.environ.get("LOCAL_RANK") or 0)
-            # optional: record adds this rank's traceback to torchrun's report
-            return record(main)(local_rank, args)
+            return main(local_rank, args)
         # optional, fixed: each spawned rank its share of the cores, not every core
         if not os.environ.get("OMP_NUM_THREADS"):
             threads = max(1, os.cpu_count() // args.nprocs)
@@ -105,8 +106,8 @@ def launch(main, args):
         for sig in signal.SIGINT, signal.SIGTERM:
             signal.signal(sig, terminate_ranks)
         processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-        # join() waits for a rank to end (True once all have). When one fails, the
-        # others get 5 s to exit on their own (join=True would end them at once)
+        # wait until every rank has ended. When one fails, the others get 5 s to end
+        # on their own, rank 0 to say why (join=True would stop them at once)
         while not processes.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
