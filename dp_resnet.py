@@ -97,7 +97,7 @@ def train(model, dataloader, optimizer, device, epoch, args):
     # summed on the device: an .item() at every step would wait for the GPU
     loss_sum = torch.zeros((), device=device)
     began = last_print = time.monotonic()
-    for step, (images, labels) in enumerate(dataloader, start=1):
+    for step, (images, labels) in enumerate(start_workers(dataloader), start=1):
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
         optimizer.zero_grad()
@@ -234,7 +234,7 @@ def report(results, steps, gpus, device, args):
         Path(args.metrics_out).write_text(json.dumps(metrics, indent=1))
 
 
-# --- loader workers (--workers): copy this section with prepare_dataloader ---
+# --- loader workers (--workers): copy this section, prepare_dataloader and train ---
 def start_forkserver():
     """Start the forkserver that forks the loader workers, and wait for its imports."""
     # this script first: its SIGINT line then covers the forkserver's `import torch`
@@ -247,6 +247,22 @@ def start_forkserver():
     # a do-nothing process (int() returns 0): its start() returns once the forkserver
     # is ready. A stop while it still loaded left a worker's traceback
     mp.get_context("forkserver").Process(target=int).start()
+
+
+def start_workers(dataloader):
+    """iter(dataloader), which starts its workers, with Ctrl-C and SIGTERM held until
+    it returns: a stop midway left a half-built loader and its workers' tracebacks."""
+    held = []
+    for sig in signal.SIGINT, signal.SIGTERM:
+        signal.signal(sig, lambda *stop: held.append(stop))
+    try:
+        batches = iter(dataloader)
+    finally:
+        for sig in signal.SIGINT, signal.SIGTERM:
+            signal.signal(sig, interrupt_once)
+    if held:
+        interrupt_once(*held[0])
+    return batches
 
 
 def worker_init(worker_id):
