@@ -352,7 +352,7 @@ def report(results, steps, device, args):
         Path(args.metrics_out).write_text(json.dumps(metrics, indent=1))
 
 
-# --- loader workers (--workers): copy this section, prepare_dataloader and train ---
+# --- loader workers (--workers): copy with prepare_dataloader and train ---
 def start_forkserver():
     """Start the forkserver that forks the loader workers, and wait for its imports."""
     # this script first: its SIGINT line then covers the forkserver's `import torch`
