@@ -408,6 +408,8 @@ def launch(main, args):
         if os.environ.get("RANK"):
             # torchrun (or a pod that sets RANK) started this process as one rank
             local_rank = int(os.environ.get("LOCAL_RANK") or 0)
+            # optional: end with torchrun, even a torchrun killed by SIGKILL
+            threading.Thread(target=stop_after_torchrun, daemon=True).start()
             return main(local_rank, args)
         # optional, fixed: each spawned rank its share of the cores, not every core
         if not os.environ.get("OMP_NUM_THREADS"):
@@ -439,6 +441,14 @@ def terminate_ranks(signum, frame):
     for process in mp.active_children():
         process.terminate()
     interrupt_once(signum, frame)
+
+
+def stop_after_torchrun():
+    """Poll this rank's parent, torchrun; once it has ended, stop as on SIGTERM."""
+    torchrun = os.getppid()
+    while os.getppid() == torchrun:
+        time.sleep(1)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def interrupt_once(signum, frame):

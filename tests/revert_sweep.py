@@ -237,6 +237,12 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         [("    threading.Thread(target=exit_after_parent, daemon=True).start()\n", "")],
         "tests/test_faults.py::test_a_killed_training_process_leaves_no_loader_workers[spawn]",
     ),
+    (  # both ranks train on, saving checkpoints, after torchrun is gone
+        "ddp: ranks outlive a killed torchrun",
+        "ddp_resnet.py",
+        [("            threading.Thread(target=stop_after_torchrun, daemon=True).start()\n", "")],
+        "tests/test_faults.py::test_a_killed_training_process_leaves_no_loader_workers[torchrun itself]",
+    ),
     (
         "dp: loader workers outlive a killed process",
         "dp_resnet.py",

@@ -105,27 +105,36 @@ def test_killed_rank_ends_the_job_within_seconds():
     )
 
 
-@pytest.mark.parametrize("how", ["spawn", "torchrun", "dp"])
+@pytest.mark.parametrize("how", ["spawn", "torchrun", "dp", "torchrun itself"])
 def test_a_killed_training_process_leaves_no_loader_workers(how, tmp_path):
     """A training process killed mid-epoch (as the OOM killer does), with loader workers: the
     job ends non-zero, and no process is left. Before, the workers, started by the forkserver,
-    kept it alive and it kept them: both, and the resource tracker, lived on after the job."""
-    flags = [*TINY, "--batch-size", 4, "--workers", 2, "--ckpt-dir", tmp_path / "ckpt"]
+    kept it alive and it kept them: both, and the resource tracker, lived on after the job.
+    torchrun itself killed (SIGKILL: no time to stop its ranks): each rank ends within seconds,
+    quietly, its workers too. Before, both ranks trained on, epoch after epoch, saving
+    checkpoints into the folder a new run would --resume from (torchrun gives each rank a
+    session of its own)."""
+    ckpt = tmp_path / "ckpt"
+    flags = [*TINY, "--batch-size", 4, "--workers", 2, "--ckpt-dir", ckpt]
     if how == "dp":
         proc = start(python("dp_resnet.py", *flags))
     else:
         flags += ["--timeout", 60]
         proc = start(
             torchrun("ddp_resnet.py", 2, *flags)
-            if how == "torchrun"
+            if how.startswith("torchrun")
             else python("ddp_resnet.py", *flags)
         )
     for _ in lines(proc, 120, until=lambda line: "| step 10/" in line):
         pass
-    victim = proc.pid if how == "dp" else wait_for_ranks(proc, 2, how == "torchrun")[1]
-    os.kill(victim, signal.SIGKILL)
+    victim = proc.pid if how == "dp" else wait_for_ranks(proc, 2, how != "spawn")[1]
+    os.kill(proc.pid if how == "torchrun itself" else victim, signal.SIGKILL)
+    killed = time.monotonic()
     res = finish(proc, timeout=60, check=False)  # fails if any process is left 10 s later
     assert res.returncode != 0
+    if how == "torchrun itself":  # the ranks saw it gone: they stopped as on SIGTERM
+        assert time.monotonic() - killed < 15 and "Traceback" not in res.stderr, res.stderr
+        assert not list(ckpt.glob("*.tmp"))
 
 
 def test_hung_rank_ends_the_job_after_the_timeout():
