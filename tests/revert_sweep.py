@@ -241,7 +241,7 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         "ddp: ranks outlive a killed torchrun",
         "ddp_resnet.py",
         [("            threading.Thread(target=stop_after_torchrun, daemon=True).start()\n", "")],
-        "tests/test_faults.py::test_a_killed_training_process_leaves_no_loader_workers[torchrun itself]",
+        "tests/test_faults.py::test_a_killed_training_process_leaves_no_loader_workers[torchrun_itself]",
     ),
     (
         "dp: loader workers outlive a killed process",

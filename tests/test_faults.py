@@ -105,7 +105,7 @@ def test_killed_rank_ends_the_job_within_seconds():
     )
 
 
-@pytest.mark.parametrize("how", ["spawn", "torchrun", "dp", "torchrun itself"])
+@pytest.mark.parametrize("how", ["spawn", "torchrun", "dp", "torchrun_itself"])
 def test_a_killed_training_process_leaves_no_loader_workers(how, tmp_path):
     """A training process killed mid-epoch (as the OOM killer does), with loader workers: the
     job ends non-zero, and no process is left. Before, the workers, started by the forkserver,
@@ -128,11 +128,11 @@ def test_a_killed_training_process_leaves_no_loader_workers(how, tmp_path):
     for _ in lines(proc, 120, until=lambda line: "| step 10/" in line):
         pass
     victim = proc.pid if how == "dp" else wait_for_ranks(proc, 2, how != "spawn")[1]
-    os.kill(proc.pid if how == "torchrun itself" else victim, signal.SIGKILL)
+    os.kill(proc.pid if how == "torchrun_itself" else victim, signal.SIGKILL)
     killed = time.monotonic()
     res = finish(proc, timeout=60, check=False)  # fails if any process is left 10 s later
     assert res.returncode != 0
-    if how == "torchrun itself":  # the ranks saw it gone: they stopped as on SIGTERM
+    if how == "torchrun_itself":  # the ranks saw it gone: they stopped as on SIGTERM
         assert time.monotonic() - killed < 15 and "Traceback" not in res.stderr, res.stderr
         assert not list(ckpt.glob("*.tmp"))
 
