@@ -90,28 +90,28 @@ def main(local_rank, args):
 # --- launching: copy this section whole; the lines marked optional may go ---
 def launch(main, args):
     """Run main(local_rank, args) once in each rank."""
+    if os.environ.get("RANK"):
+        # torchrun (or a pod that sets RANK) started this process as one rank
+        local_rank = int(os.environ.get("LOCAL_RANK") or 0)
+        # optional: end with torchrun, even a torchrun killed by SIGKILL
+        threading.Thread(target=stop_after_torchrun, daemon=True).start()
+        return main(local_rank, args)
+    # optional, fixed: each spawned rank its share of the cores, not every core
+    if not os.environ.get("OMP_NUM_THREADS"):
+        threads = max(1, os.cpu_count() // args.nprocs)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+    # fixed: a free port, not the tutorial's 12355 (binding port 0 picks one)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    # `kill PID` reaches this process alone: pass it (and Ctrl-C) on to the ranks
+    for sig in signal.SIGINT, signal.SIGTERM:
+        signal.signal(sig, terminate_ranks)
+    processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
+    # wait until every rank has ended. When one fails, the others get 5 s to end
+    # on their own, rank 0 to say why (join=True would stop them at once)
     try:
-        if os.environ.get("RANK"):
-            # torchrun (or a pod that sets RANK) started this process as one rank
-            local_rank = int(os.environ.get("LOCAL_RANK") or 0)
-            # optional: end with torchrun, even a torchrun killed by SIGKILL
-            threading.Thread(target=stop_after_torchrun, daemon=True).start()
-            return main(local_rank, args)
-        # optional, fixed: each spawned rank its share of the cores, not every core
-        if not os.environ.get("OMP_NUM_THREADS"):
-            threads = max(1, os.cpu_count() // args.nprocs)
-            os.environ["OMP_NUM_THREADS"] = str(threads)
-        # fixed: a free port, not the tutorial's 12355 (binding port 0 picks one)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            os.environ["MASTER_PORT"] = str(s.getsockname()[1])
-        os.environ["MASTER_ADDR"] = "127.0.0.1"
-        # `kill PID` reaches this process alone: pass it (and Ctrl-C) on to the ranks
-        for sig in signal.SIGINT, signal.SIGTERM:
-            signal.signal(sig, terminate_ranks)
-        processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-        # wait until every rank has ended. When one fails, the others get 5 s to end
-        # on their own, rank 0 to say why (join=True would stop them at once)
         while not processes.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:

@@ -45,7 +45,7 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         [
             ("signal.signal(signal.SIGINT, signal.SIG_DFL)\n", ""),
             (
-                "for sig in signal.SIGINT, signal.SIGTERM:\n            signal.signal(sig, terminate_ranks)",
+                "for sig in signal.SIGINT, signal.SIGTERM:\n        signal.signal(sig, terminate_ranks)",
                 "signal.signal(signal.SIGTERM, terminate_ranks)",
             ),
         ],
@@ -240,7 +240,7 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
     (  # both ranks train on, saving checkpoints, after torchrun is gone
         "ddp: ranks outlive a killed torchrun",
         "ddp_resnet.py",
-        [("            threading.Thread(target=stop_after_torchrun, daemon=True).start()\n", "")],
+        [("        threading.Thread(target=stop_after_torchrun, daemon=True).start()\n", "")],
         "tests/test_faults.py::test_a_killed_training_process_leaves_no_loader_workers[torchrun_itself]",
     ),
     (
