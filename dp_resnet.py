@@ -254,19 +254,19 @@ def start_workers(dataloader):
     it returns: a stop midway left a half-built loader and its workers' tracebacks."""
     held = []
     for sig in signal.SIGINT, signal.SIGTERM:
-        # the signal alone: a frame kept here would keep the loader past Python's exit
+        # the signal alone: a kept frame would keep the loader alive past the exit
         signal.signal(sig, lambda signum, frame: held.append(signum))
     try:
         batches = iter(dataloader)
     finally:
         for sig in signal.SIGINT, signal.SIGTERM:
             signal.signal(sig, interrupt_once)
-    if held:
-        # end the workers now: Python's exit removes their queues first, and a worker
-        # still starting failed to open them
-        del batches
-        interrupt_once(held[0], None)
-    return batches
+    if not held:
+        return batches
+    # a stop came: end the workers before exiting (Python's exit removes their queues
+    # first, and a worker still starting failed to open them)
+    del batches
+    interrupt_once(held[0], None)
 
 
 def worker_init(worker_id):
