@@ -96,14 +96,16 @@ def tagged(mark: str) -> list:
 
 def started_loader_workers(mark: str) -> list:
     """The run's loader workers (the processes a forkserver started) once their start has
-    run worker_init: SIGINT is among the signals they ignore."""
+    run worker_init: SIGINT is among the signals they ignore, and its thread runs. (A child just
+    forked ignores SIGINT too, with one thread, until it restores its handlers: a SIGINT then
+    found it with the default action, and killed it, 1 suite run of many.)"""
     servers, workers = set(), []
     for pid in tagged(mark):
         try:
             if "forkserver" in open(f"/proc/{pid}/cmdline").read():
                 servers.add(pid)
             status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
-            if int(status["SigIgn"], 16) & 1 << (signal.SIGINT - 1):
+            if int(status["SigIgn"], 16) & 1 << (signal.SIGINT - 1) and int(status["Threads"]) > 1:
                 workers.append((pid, int(status["PPid"])))
         except OSError:  # it just ended
             pass
