@@ -105,7 +105,8 @@ def started_loader_workers(mark: str) -> list:
             if "forkserver" in open(f"/proc/{pid}/cmdline").read():
                 servers.add(pid)
             status = dict(line.split(":", 1) for line in open(f"/proc/{pid}/status"))
-            if int(status["SigIgn"], 16) & 1 << (signal.SIGINT - 1) and int(status["Threads"]) > 1:
+            ignores_sigint = int(status["SigIgn"], 16) & 1 << (signal.SIGINT - 1)
+            if ignores_sigint and int(status["Threads"]) > 1:
                 workers.append((pid, int(status["PPid"])))
         except OSError:  # it just ended
             pass

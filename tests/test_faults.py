@@ -127,8 +127,11 @@ def test_a_killed_training_process_leaves_no_loader_workers(how, tmp_path):
         )
     for _ in lines(proc, 120, until=lambda line: "| step 10/" in line):
         pass
-    victim = proc.pid if how == "dp" else wait_for_ranks(proc, 2, how != "spawn")[1]
-    os.kill(proc.pid if how == "torchrun_itself" else victim, signal.SIGKILL)
+    if how in ("spawn", "torchrun"):  # a rank
+        victim = wait_for_ranks(proc, 2, how == "torchrun")[1]
+    else:  # dp_resnet.py's one process, or torchrun itself
+        victim = proc.pid
+    os.kill(victim, signal.SIGKILL)
     killed = time.monotonic()
     res = finish(proc, timeout=60, check=False)  # fails if any process is left 10 s later
     assert res.returncode != 0
