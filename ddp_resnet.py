@@ -42,6 +42,8 @@ from torchvision import datasets, models
 
 def ddp_setup(local_rank, args):
     """Join the process group, then take over Ctrl-C; return this rank's device."""
+    # optional: end with the launcher (torchrun or ours), even one killed by SIGKILL
+    threading.Thread(target=stop_after_launcher, daemon=True).start()
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
     if cuda:
@@ -411,8 +413,6 @@ def launch(main, args):
     if os.environ.get("RANK"):
         # torchrun (or a pod that sets RANK) started this process as one rank
         local_rank = int(os.environ.get("LOCAL_RANK") or 0)
-        # optional: end with torchrun, even a torchrun killed by SIGKILL
-        threading.Thread(target=stop_after_torchrun, daemon=True).start()
         return main(local_rank, args)
     # optional, fixed: each spawned rank its share of the cores, not every core
     if not os.environ.get("OMP_NUM_THREADS"):
@@ -447,10 +447,12 @@ def terminate_ranks(signum, frame):
     interrupt_once(signum, frame)
 
 
-def stop_after_torchrun():
-    """Poll this rank's parent, torchrun; once it has ended, stop as on SIGTERM."""
-    torchrun = os.getppid()
-    while os.getppid() == torchrun:
+def stop_after_launcher():
+    """Poll this rank's launcher; once it has ended, stop as on SIGTERM."""
+    # a spawned rank knows its launcher even if it ended before this line
+    spawner = mp.parent_process()
+    launcher = spawner.pid if spawner else os.getppid()
+    while os.getppid() == launcher:
         time.sleep(1)
     os.kill(os.getpid(), signal.SIGTERM)
 

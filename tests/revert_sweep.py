@@ -240,8 +240,14 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
     (  # both ranks train on, saving checkpoints, after torchrun is gone
         "ddp: ranks outlive a killed torchrun",
         "ddp_resnet.py",
-        [("        threading.Thread(target=stop_after_torchrun, daemon=True).start()\n", "")],
+        [("    threading.Thread(target=stop_after_launcher, daemon=True).start()\n", "")],
         "tests/test_faults.py::test_a_killed_training_process_leaves_no_loader_workers[torchrun_itself]",
+    ),
+    (  # the ranks meet on their own and train every epoch after their launcher is gone
+        "fm: ranks outlive a launcher killed as they start",
+        "ddp_fashionmnist.py",
+        [("    threading.Thread(target=stop_after_launcher, daemon=True).start()\n", "")],
+        "tests/test_faults.py::test_ranks_end_with_a_launcher_killed_as_they_start",
     ),
     (
         "dp: loader workers outlive a killed process",
