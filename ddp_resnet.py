@@ -23,6 +23,9 @@ from pathlib import Path
 
 # Ctrl-C while torch imports (seconds): exit at once, quietly; ddp_setup takes over
 signal.signal(signal.SIGINT, signal.SIG_DFL)
+# a rank's launcher (torchrun, or ours), read before torch loads: if it is killed
+# meanwhile, stop_after_launcher still sees it gone
+LAUNCHER = os.getppid()
 
 import torch
 import torch.distributed as dist
@@ -448,11 +451,8 @@ def terminate_ranks(signum, frame):
 
 
 def stop_after_launcher():
-    """Poll this rank's launcher; once it has ended, stop as on SIGTERM."""
-    # a spawned rank knows its launcher even if it ended before this line
-    spawner = mp.parent_process()
-    launcher = spawner.pid if spawner else os.getppid()
-    while os.getppid() == launcher:
+    """Poll this rank's parent, its launcher; once it has ended, stop as on SIGTERM."""
+    while os.getppid() == LAUNCHER:
         time.sleep(1)
     os.kill(os.getpid(), signal.SIGTERM)
 

@@ -140,18 +140,6 @@ def test_a_killed_training_process_leaves_no_loader_workers(how, tmp_path):
         assert not list(ckpt.glob("*.tmp"))
 
 
-def test_ranks_end_with_a_launcher_killed_as_they_start():
-    """The launcher SIGKILLed while its 2 ranks still import torch, before torch arms their
-    parent-death signal: both end within seconds. Before, they met on their own (rank 0 hosts
-    the rendezvous) and trained every epoch, nobody's job (ddp_resnet.py, by hand: 4 of 4
-    epochs, each checkpoint saved)."""
-    proc = start(python("ddp_fashionmnist.py", "--nprocs", 2, *FM, "--epochs", 100))
-    wait_for_ranks(proc, 2, under_torchrun=False)
-    os.kill(proc.pid, signal.SIGKILL)
-    res = finish(proc, timeout=60, check=False, linger=30)  # fails on any rank left 30 s later
-    assert res.returncode == -signal.SIGKILL and "done |" not in res.stdout
-
-
 def test_hung_rank_ends_the_job_after_the_timeout():
     """A stopped rank never reaches the next collective: the other gives up after --timeout and
     the job ends with that error. (The stopped rank is let go once the timeout has passed, so
@@ -445,6 +433,27 @@ def test_ctrl_c_in_the_first_seconds_is_quiet(script, tmp_path):
         assert res.returncode == code, (moment, res.returncode, res.stderr[-3000:])
         assert "Traceback" not in res.stderr, (moment, res.stderr[-3000:])
         assert res.stdout == "", (moment, res.stdout)  # stopped before the start line
+
+
+@pytest.mark.parametrize("how", ["spawn", "torchrun"])
+def test_ranks_end_with_a_launcher_killed_as_they_start(how):
+    """The launcher SIGKILLed while its 2 ranks import torch: both end within seconds. Before,
+    spawned ranks met on their own (torch arms their parent-death signal after the import; rank
+    0 hosts the rendezvous) and trained every epoch, nobody's job (ddp_resnet.py by hand: 4 of 4
+    epochs, each saved); torchrun's waited for its store until --timeout."""
+    flags = ["--cpu", "--synthetic", "--epochs", 100, "--timeout", 120]
+    if how == "spawn":
+        proc = start(python("ddp_fashionmnist.py", "--nprocs", 2, *flags))
+    else:
+        proc = start(torchrun("ddp_fashionmnist.py", 2, *flags))
+    ranks = wait_for_ranks(proc, 2, under_torchrun=how == "torchrun")
+    deadline = time.monotonic() + TIMEOUT
+    while not all(map(importing_torch, ranks)):  # past the script's first lines
+        assert time.monotonic() < deadline and proc.poll() is None, "no rank imported torch"
+        time.sleep(0.005)
+    os.kill(proc.pid, signal.SIGKILL)
+    res = finish(proc, timeout=60, check=False, linger=30)  # fails on any rank left 30 s later
+    assert res.returncode == -signal.SIGKILL and "done |" not in res.stdout
 
 
 def forkservers_importing_torch(mark: str) -> list:
