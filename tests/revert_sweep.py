@@ -219,7 +219,7 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         [("        signal.signal(sig, lambda signum, frame: None)\n", "        pass\n")],
         "tests/test_faults.py::test_a_stop_mid_epoch_then_ctrl_c_during_a_save_then_resume",
     ),
-    (  # KeyboardInterrupt, as before: chained to the error that the slow rank's exit causes
+    (  # KeyboardInterrupt, as before: under torchrun, each rank's traceback
         "ddp: Ctrl-C raises KeyboardInterrupt in a rank",
         "ddp_resnet.py",
         [
@@ -229,7 +229,7 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
                 "        sys.exit(e.exit_code)\n    except KeyboardInterrupt:\n        sys.exit(130)\n",
             ),
         ],
-        "tests/test_own_model.py::test_ctrl_c_while_a_rank_waits_for_a_slower_one_is_quiet",
+        "tests/test_faults.py::test_a_stop_mid_epoch_then_ctrl_c_during_a_save_then_resume[torchrun]",
     ),
     (  # the workers, the forkserver and the resource tracker outlive the killed process
         "ddp: loader workers outlive a killed rank",
@@ -267,15 +267,10 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         [("    sys.excepthook = lambda *exc_info: None\n", "")],
         "tests/test_own_model.py::test_ctrl_c_while_a_worker_hands_a_batch_over_is_quiet",
     ),
-    (  # each worker's torch_shm_manager aborts when its worker ends first
-        "ddp: batches by shared-memory name",
+    (  # a stop inside iter(): a half-built loader's AttributeError, its workers' FileNotFoundError
+        "ddp: a stop as the workers start is not held",
         "ddp_resnet.py",
-        [
-            (
-                "    sys.excepthook = lambda *exc_info: None\n",
-                '    mp.set_sharing_strategy("file_system")\n',
-            )
-        ],
+        [("enumerate(start_workers(dataloader), start=1)", "enumerate(dataloader, start=1)")],
         "tests/test_faults.py::test_ctrl_c_as_the_loader_workers_start_is_quiet_and_leaves_nothing",
     ),
     (  # the epoch's last step breaks out of the loop, as --max-steps once did
@@ -325,19 +320,19 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         [("    os.chdir(Path(__file__).parent)\n", "")],
         "tests/test_faults.py::test_a_stop_while_the_forkserver_loads_torch_is_quiet[dp_resnet.py-ctrl_c]",
     ),
-    (  # a stop while the forkserver imports: the worker asked for is forked after the rank
-        # has ended, and fails to open the rank's semaphores (a traceback)
+    (  # a Ctrl-C while the forkserver imports ends it too, and the loader's start, waiting
+        # for it, fails (a traceback from multiprocessing's start)
         "ddp: no first process through the forkserver",
         "ddp_resnet.py",
         [('    mp.get_context("forkserver").Process(target=int).start()\n', "")],
-        "tests/test_faults.py::test_a_stop_while_the_forkserver_loads_torch_is_quiet[ddp_resnet.py-sigterm]",
+        "tests/test_faults.py::test_a_stop_while_the_forkserver_loads_torch_is_quiet[ddp_resnet.py-ctrl_c]",
     ),
-    (  # a stop while the forkserver imports: the worker asked for is forked after the rank
-        # has ended, and fails to open the rank's semaphores (a traceback)
+    (  # a Ctrl-C while the forkserver imports ends it too, and the loader's start, waiting
+        # for it, fails (a traceback from multiprocessing's start)
         "dp: no first process through the forkserver",
         "dp_resnet.py",
         [('    mp.get_context("forkserver").Process(target=int).start()\n', "")],
-        "tests/test_faults.py::test_a_stop_while_the_forkserver_loads_torch_is_quiet[dp_resnet.py-sigterm]",
+        "tests/test_faults.py::test_a_stop_while_the_forkserver_loads_torch_is_quiet[dp_resnet.py-ctrl_c]",
     ),
     (
         "ddp: weights_only=False",

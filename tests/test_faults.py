@@ -481,8 +481,10 @@ def test_a_stop_while_the_forkserver_loads_torch_is_quiet(script, stop, tmp_path
     moment of its first 3 s); now it imports the script first, whose first line comes first.
     SIGTERM reaches the ranks alone: the forkserver, done with its imports, forked the worker
     asked for, which failed to open a semaphore its rank removed as it ended (12 of 20 runs
-    stopped at a random moment of 5-10 s). Now the first request is a do-nothing process, whose
-    start() waits for the imports and whose fork fails nothing. The forkserver is held stopped
+    stopped at a random moment of 5-10 s); start_workers() now holds the stop until the loader
+    is built. A Ctrl-C ends the loading forkserver too, and the loader waiting for it raised:
+    now the first request is a do-nothing process, whose start() waits for the imports, and
+    the Ctrl-C stops the run there. The forkserver is held stopped
     here, as on a busy machine, until the training process has asked (its main thread blocks on
     a pipe; 10 s where /proc cannot say).
     Run from another folder, as `torchrun path/to/ddp_resnet.py` is: the forkserver finds the
