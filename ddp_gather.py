@@ -19,8 +19,8 @@ from pathlib import Path
 
 # Ctrl-C while torch imports (seconds): exit at once, quietly; ddp_setup takes over
 signal.signal(signal.SIGINT, signal.SIG_DFL)
-# a rank's launcher (torchrun, or ours), read before torch loads: if it is killed
-# meanwhile, stop_after_launcher still sees it gone
+# for a rank, its launcher (torchrun, or launch() below); read before torch loads,
+# so that a launcher killed during the import still counts as gone
 LAUNCHER = os.getppid()
 
 import torch

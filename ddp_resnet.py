@@ -23,8 +23,8 @@ from pathlib import Path
 
 # Ctrl-C while torch imports (seconds): exit at once, quietly; ddp_setup takes over
 signal.signal(signal.SIGINT, signal.SIG_DFL)
-# a rank's launcher (torchrun, or ours), read before torch loads: if it is killed
-# meanwhile, stop_after_launcher still sees it gone
+# for a rank, its launcher (torchrun, or launch() below); read before torch loads,
+# so that a launcher killed during the import still counts as gone
 LAUNCHER = os.getppid()
 
 import torch
@@ -367,8 +367,8 @@ def start_forkserver():
     os.chdir(Path(__file__).parent)
     forkserver.ensure_running()
     os.chdir(cwd)
-    # a do-nothing process (int() returns 0): returns once the forkserver is ready. A
-    # Ctrl-C, which ends a loading forkserver too, stops the run here, not in iter()
+    # a do-nothing process (int() returns 0): starting it waits for the forkserver.
+    # A Ctrl-C ends a loading forkserver too: the run then stops here, not in iter()
     mp.get_context("forkserver").Process(target=int).start()
 
 

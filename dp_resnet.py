@@ -244,8 +244,8 @@ def start_forkserver():
     os.chdir(Path(__file__).parent)
     forkserver.ensure_running()
     os.chdir(cwd)
-    # a do-nothing process (int() returns 0): returns once the forkserver is ready. A
-    # Ctrl-C, which ends a loading forkserver too, stops the run here, not in iter()
+    # a do-nothing process (int() returns 0): starting it waits for the forkserver.
+    # A Ctrl-C ends a loading forkserver too: the run then stops here, not in iter()
     mp.get_context("forkserver").Process(target=int).start()
 
 

@@ -439,8 +439,9 @@ def test_ctrl_c_in_the_first_seconds_is_quiet(script, tmp_path):
 def test_ranks_end_with_a_launcher_killed_as_they_start(how):
     """The launcher SIGKILLed while its 2 ranks import torch: both end within seconds. Before,
     spawned ranks met on their own (torch arms their parent-death signal after the import; rank
-    0 hosts the rendezvous) and trained every epoch, nobody's job (ddp_resnet.py by hand: 4 of 4
-    epochs, each saved); torchrun's waited for its store until --timeout."""
+    0 hosts the rendezvous) and trained every epoch with no launcher to stop them
+    (ddp_resnet.py by hand: 4 of 4 epochs, each saved); torchrun's waited for its store until
+    --timeout."""
     flags = ["--cpu", "--synthetic", "--epochs", 100, "--timeout", 120]
     if how == "spawn":
         proc = start(python("ddp_fashionmnist.py", "--nprocs", 2, *flags))
@@ -484,9 +485,9 @@ def test_a_stop_while_the_forkserver_loads_torch_is_quiet(script, stop, tmp_path
     stopped at a random moment of 5-10 s); start_workers() now holds the stop until the loader
     is built. A Ctrl-C ends the loading forkserver too, and the loader waiting for it raised:
     now the first request is a do-nothing process, whose start() waits for the imports, and
-    the Ctrl-C stops the run there. The forkserver is held stopped
-    here, as on a busy machine, until the training process has asked (its main thread blocks on
-    a pipe; 10 s where /proc cannot say).
+    the Ctrl-C stops the run there. The forkserver is held stopped here, as on a busy machine,
+    until the training process has asked (its main thread blocks on a pipe; 10 s where /proc
+    cannot say).
     Run from another folder, as `torchrun path/to/ddp_resnet.py` is: the forkserver finds the
     script only because it starts in the script's folder."""
     flags = ["--workers", 1, "--epochs", 2, "--ckpt-dir", tmp_path / "ckpt"]
