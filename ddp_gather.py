@@ -19,8 +19,8 @@ from pathlib import Path
 
 # Ctrl-C while torch imports (seconds): exit at once, quietly; ddp_setup takes over
 signal.signal(signal.SIGINT, signal.SIG_DFL)
-# for a rank, its launcher (torchrun, or launch() below); read before torch loads,
-# so that a launcher killed during the import still counts as gone
+# a rank's launcher (torchrun, or launch() at the end), noted before torch loads:
+# stop_after_launcher ends the rank once this process is gone
 LAUNCHER = os.getppid()
 
 import torch
@@ -31,7 +31,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 def ddp_setup(local_rank, args):
     """Join the process group, then take over Ctrl-C; return this rank's device."""
-    # optional: end with the launcher (torchrun or ours), even one killed by SIGKILL
+    # optional: a watch that ends this rank if its launcher dies, even in the rendezvous
     threading.Thread(target=stop_after_launcher, daemon=True).start()
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
@@ -47,10 +47,10 @@ def ddp_setup(local_rank, args):
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL: bind the group to this rank's GPU and connect now, not at first use
+        # NCCL: the group's GPU, which barrier() uses too
         device_id=device if cuda else None,
     )
-    # from here on, Ctrl-C and SIGTERM exit 130 quietly (interrupt_once, at the end)
+    # from here on, Ctrl-C and SIGTERM exit 130 quietly (before: at once, by default)
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, interrupt_once)
     return device
@@ -99,7 +99,7 @@ def launch(main, args):
         # torchrun (or a pod that sets RANK) started this process as one rank
         local_rank = int(os.environ.get("LOCAL_RANK") or 0)
         return main(local_rank, args)
-    # optional, fixed: each spawned rank its share of the cores, not every core
+    # optional, fixed: the tutorial's ranks each took every core; here, a share
     if not os.environ.get("OMP_NUM_THREADS"):
         threads = max(1, os.cpu_count() // args.nprocs)
         os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -112,14 +112,14 @@ def launch(main, args):
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, terminate_ranks)
     processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-    # wait until every rank has ended. When one fails, the others get 5 s to end
-    # on their own, rank 0 to say why (join=True would stop them at once)
+    # wait for every rank. join=True would stop the others the moment one fails;
+    # a 5 s grace lets rank 0 print why
     try:
         while not processes.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: a rank's exit code N passes on; for a rank that a signal killed
-        # (N < 0), re-raise: torch's error names the signal
+        # optional: exit with the failed rank's code, its one-line error the output;
+        # a rank killed by a signal (code < 0): torch's error names the signal
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)

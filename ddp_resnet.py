@@ -23,8 +23,8 @@ from pathlib import Path
 
 # Ctrl-C while torch imports (seconds): exit at once, quietly; ddp_setup takes over
 signal.signal(signal.SIGINT, signal.SIG_DFL)
-# for a rank, its launcher (torchrun, or launch() below); read before torch loads,
-# so that a launcher killed during the import still counts as gone
+# a rank's launcher (torchrun, or launch() at the end), noted before torch loads:
+# stop_after_launcher ends the rank once this process is gone
 LAUNCHER = os.getppid()
 
 import torch
@@ -45,7 +45,7 @@ from torchvision import datasets, models
 
 def ddp_setup(local_rank, args):
     """Join the process group, then take over Ctrl-C; return this rank's device."""
-    # optional: end with the launcher (torchrun or ours), even one killed by SIGKILL
+    # optional: a watch that ends this rank if its launcher dies, even in the rendezvous
     threading.Thread(target=stop_after_launcher, daemon=True).start()
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
@@ -61,10 +61,10 @@ def ddp_setup(local_rank, args):
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL: bind the group to this rank's GPU and connect now, not at first use
+        # NCCL: the group's GPU, which barrier() uses too
         device_id=device if cuda else None,
     )
-    # from here on, Ctrl-C and SIGTERM exit 130 quietly (interrupt_once, at the end)
+    # from here on, Ctrl-C and SIGTERM exit 130 quietly (before: at once, by default)
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, interrupt_once)
     return device
@@ -76,8 +76,7 @@ def print0(*args, **kwargs):
 
 
 def fail(message):
-    """Exit 1 on every rank, rank 0 saying why. Every rank must call it: one that
-    exited alone would leave the others waiting until --timeout."""
+    """Exit 1 in every rank, rank 0 saying why (all call it, or the rest would wait)."""
     print0(f"error: {message}", file=sys.stderr)
     dist.destroy_process_group()
     sys.exit(1)
@@ -100,8 +99,8 @@ def load_datasets(args):
         train_set = datasets.ImageFolder(args.data, transform=preprocess)
         classes = train_set.classes
     else:
-        # no --data: 256 random images, each its own class, 50 copies of each: the
-        # model learns them by heart, and the loss falls
+        # no --data: 256 random images (the same in every rank: main seeded them),
+        # each its own class, 50 copies of each: the model learns them, the loss falls
         images = TensorDataset(torch.randn(256, 3, size, size), torch.arange(256))
         train_set = ConcatDataset([images] * 50)
         classes = list(range(256))
@@ -143,14 +142,15 @@ def train(model, dataloader, optimizer, device, epoch, args):
     """One epoch; the loss averaged over every rank, and images/s."""
     # fixed: without set_epoch every epoch has the same order
     dataloader.sampler.set_epoch(epoch)
-    # per epoch and rank: with --resume, dropout and random crops (in your own model
-    # and data) draw as in an unbroken run, bit for bit
+    # a seed per epoch and rank: a resumed run then draws the same dropout and
+    # random crops (of your own model and data) as an unbroken run, bit for bit
     torch.manual_seed(args.seed + 1000 * epoch + dist.get_rank())
     global_batch = args.batch_size * dist.get_world_size()
     steps = len(dataloader)
     # summed on the device: an .item() at every step would wait for the GPU
     loss_sum = torch.zeros((), device=device)
     began = last_print = time.monotonic()
+    # start_workers: iter(dataloader), with Ctrl-C held while the workers start
     for step, (images, labels) in enumerate(start_workers(dataloader), start=1):
         # non_blocking: the copy of a pinned batch overlaps the GPU's work
         images = images.to(device, non_blocking=True)
@@ -250,7 +250,7 @@ def load_model(epoch, model, optimizer, device, args):
     ckpt = torch.load(file, map_location=device, weights_only=True)
     model.module.load_state_dict(ckpt["model_state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_state_dict"])
-    # --lr overrides the lr the checkpoint stored (--resume with a new --lr)
+    # --lr, not the checkpoint's lr: --resume --lr 0.1 trains at 0.1
     for group in optimizer.param_groups:
         group["lr"] = args.lr
 
@@ -357,7 +357,7 @@ def report(results, steps, device, args):
         Path(args.metrics_out).write_text(json.dumps(metrics, indent=1))
 
 
-# --- loader workers (--workers): copy with prepare_dataloader and train ---
+# --- loader workers (--workers): prepare_dataloader and train need this section ---
 def start_forkserver():
     """Start the forkserver that forks the loader workers, and wait for its imports."""
     # this script first: its SIGINT line then covers the forkserver's `import torch`
@@ -386,8 +386,8 @@ def start_workers(dataloader):
             signal.signal(sig, interrupt_once)
     if not held:
         return batches
-    # a stop came: end the workers before exiting (Python's exit removes their queues
-    # first, and a worker still starting failed to open them)
+    # a stop came: end the workers first (del), then exit 130 (interrupt_once);
+    # Python's exit alone removed their queues while a worker still opened them
     del batches
     interrupt_once(held[0], None)
 
@@ -417,7 +417,7 @@ def launch(main, args):
         # torchrun (or a pod that sets RANK) started this process as one rank
         local_rank = int(os.environ.get("LOCAL_RANK") or 0)
         return main(local_rank, args)
-    # optional, fixed: each spawned rank its share of the cores, not every core
+    # optional, fixed: the tutorial's ranks each took every core; here, a share
     if not os.environ.get("OMP_NUM_THREADS"):
         threads = max(1, os.cpu_count() // args.nprocs)
         os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -430,14 +430,14 @@ def launch(main, args):
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, terminate_ranks)
     processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-    # wait until every rank has ended. When one fails, the others get 5 s to end
-    # on their own, rank 0 to say why (join=True would stop them at once)
+    # wait for every rank. join=True would stop the others the moment one fails;
+    # a 5 s grace lets rank 0 print why
     try:
         while not processes.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: a rank's exit code N passes on; for a rank that a signal killed
-        # (N < 0), re-raise: torch's error names the signal
+        # optional: exit with the failed rank's code, its one-line error the output;
+        # a rank killed by a signal (code < 0): torch's error names the signal
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)
@@ -504,7 +504,7 @@ if __name__ == "__main__":
     args = parse_args()
     if args.data and not Path(args.data).is_dir():
         sys.exit(f"error: --data {args.data}: no such folder")
-    # fails now if --ckpt-dir cannot be written, not after the first epoch
+    # a file made and removed: an unwritable --ckpt-dir fails now, not after an epoch
     try:
         Path(args.ckpt_dir).mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=args.ckpt_dir).close()

@@ -97,6 +97,7 @@ def train(model, dataloader, optimizer, device, epoch, args):
     # summed on the device: an .item() at every step would wait for the GPU
     loss_sum = torch.zeros((), device=device)
     began = last_print = time.monotonic()
+    # start_workers: iter(dataloader), with Ctrl-C held while the workers start
     for step, (images, labels) in enumerate(start_workers(dataloader), start=1):
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
@@ -162,7 +163,7 @@ def load_model(epoch, net, optimizer, device, args):
     ckpt = torch.load(file, map_location=device, weights_only=True)
     net.load_state_dict(ckpt["model_state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_state_dict"])
-    # --lr overrides the lr the checkpoint stored (--resume with a new --lr)
+    # --lr, not the checkpoint's lr: --resume --lr 0.1 trains at 0.1
     for group in optimizer.param_groups:
         group["lr"] = args.lr
 
@@ -234,7 +235,7 @@ def report(results, steps, gpus, device, args):
         Path(args.metrics_out).write_text(json.dumps(metrics, indent=1))
 
 
-# --- loader workers (--workers): copy with prepare_dataloader and train ---
+# --- loader workers (--workers): prepare_dataloader and train need this section ---
 def start_forkserver():
     """Start the forkserver that forks the loader workers, and wait for its imports."""
     # this script first: its SIGINT line then covers the forkserver's `import torch`
@@ -263,8 +264,8 @@ def start_workers(dataloader):
             signal.signal(sig, interrupt_once)
     if not held:
         return batches
-    # a stop came: end the workers before exiting (Python's exit removes their queues
-    # first, and a worker still starting failed to open them)
+    # a stop came: end the workers first (del), then exit 130 (interrupt_once);
+    # Python's exit alone removed their queues while a worker still opened them
     del batches
     interrupt_once(held[0], None)
 
@@ -341,7 +342,7 @@ if __name__ == "__main__":
         sys.exit(
             f"error: {last} exists: add --resume to go on, or use another --ckpt-dir"
         )
-    # fails now if --ckpt-dir cannot be written, not after the first epoch
+    # a file made and removed: an unwritable --ckpt-dir fails now, not after an epoch
     try:
         Path(args.ckpt_dir).mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=args.ckpt_dir).close()
@@ -353,8 +354,7 @@ if __name__ == "__main__":
     # drop_last would leave no step at all
     if len(train_set) < args.batch_size:
         sys.exit(f"error: {len(train_set)} images, too few for one batch")
-    # now Ctrl-C and SIGTERM end the run quietly, after its clean-up: a save
-    # removes its .tmp
+    # from here on, Ctrl-C and SIGTERM exit 130 quietly, after a save's clean-up
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, interrupt_once)
     # CUDA_VISIBLE_DEVICES chooses the GPUs
