@@ -47,12 +47,13 @@ def ddp_setup(local_rank, args):
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL: the group's GPU, which barrier() uses too
+        # NCCL: the group's device, this rank's GPU (gloo takes none)
         device_id=device if cuda else None,
     )
-    # from here on, Ctrl-C and SIGTERM exit 130 quietly (before: at once, by default)
+    # from here on, Ctrl-C and SIGTERM exit 130 quietly; not before: a handler
+    # waits for init_process_group to return, the default ends it at once
     for sig in signal.SIGINT, signal.SIGTERM:
-        signal.signal(sig, interrupt_once)
+        signal.signal(sig, exit_quietly)
     return device
 
 
@@ -99,7 +100,7 @@ def launch(main, args):
         # torchrun (or a pod that sets RANK) started this process as one rank
         local_rank = int(os.environ.get("LOCAL_RANK") or 0)
         return main(local_rank, args)
-    # optional, fixed: the tutorial's ranks each took every core; here, a share
+    # optional: each rank a share of the cores, not all of them (read as it starts)
     if not os.environ.get("OMP_NUM_THREADS"):
         threads = max(1, os.cpu_count() // args.nprocs)
         os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -108,18 +109,18 @@ def launch(main, args):
         s.bind(("127.0.0.1", 0))
         os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     os.environ["MASTER_ADDR"] = "127.0.0.1"
-    # `kill PID` reaches this process alone: pass it (and Ctrl-C) on to the ranks
+    # SIGTERM (`kill PID`) reaches this process alone: stop the ranks; Ctrl-C too
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, terminate_ranks)
     processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-    # wait for every rank. join=True would stop the others the moment one fails;
-    # a 5 s grace lets rank 0 print why
+    # join=True would stop the other ranks the moment one exits with an error;
+    # a 5 s grace lets rank 0 print a refusal that every rank exits with
     try:
         while not processes.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: exit with the failed rank's code, its one-line error the output;
-        # a rank killed by a signal (code < 0): torch's error names the signal
+        # optional: exit with the failed rank's exit code (its error is printed
+        # already); re-raise if a signal killed it: torch's error names the signal
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)
@@ -129,7 +130,7 @@ def terminate_ranks(signum, frame):
     """Stop every rank (SIGTERM), then exit 130 as they do."""
     for process in mp.active_children():
         process.terminate()
-    interrupt_once(signum, frame)
+    exit_quietly(signum, frame)
 
 
 def stop_after_launcher():
@@ -139,11 +140,10 @@ def stop_after_launcher():
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def interrupt_once(signum, frame):
+def exit_quietly(signum, frame):
     """Ctrl-C or SIGTERM: exit 130, the shell's code for Ctrl-C, and ignore both
     from now on, so that a second Ctrl-C cannot cut the clean-up short."""
     for sig in signal.SIGINT, signal.SIGTERM:
-        # a no-op, not SIG_IGN: it can print "Signal 15 ignored due to race condition"
         signal.signal(sig, lambda signum, frame: None)
     # SystemExit: unlike KeyboardInterrupt, it ends Python without a traceback
     sys.exit(130)

@@ -61,12 +61,13 @@ def ddp_setup(local_rank, args):
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL: the group's GPU, which barrier() uses too
+        # NCCL: the group's device, this rank's GPU (gloo takes none)
         device_id=device if cuda else None,
     )
-    # from here on, Ctrl-C and SIGTERM exit 130 quietly (before: at once, by default)
+    # from here on, Ctrl-C and SIGTERM exit 130 quietly; not before: a handler
+    # waits for init_process_group to return, the default ends it at once
     for sig in signal.SIGINT, signal.SIGTERM:
-        signal.signal(sig, interrupt_once)
+        signal.signal(sig, exit_quietly)
     return device
 
 
@@ -76,7 +77,7 @@ def print0(*args, **kwargs):
 
 
 def fail(message):
-    """Exit 1 in every rank, rank 0 saying why (all call it, or the rest would wait)."""
+    """Called by every rank: all exit 1, rank 0 saying why."""
     print0(f"error: {message}", file=sys.stderr)
     dist.destroy_process_group()
     sys.exit(1)
@@ -99,7 +100,7 @@ def load_datasets(args):
         train_set = datasets.ImageFolder(args.data, transform=preprocess)
         classes = train_set.classes
     else:
-        # no --data: 256 random images (the same in every rank: main seeded them),
+        # no --data: 256 random images (the same in every rank: seeded before this),
         # each its own class, 50 copies of each: the model learns them, the loss falls
         images = TensorDataset(torch.randn(256, 3, size, size), torch.arange(256))
         train_set = ConcatDataset([images] * 50)
@@ -142,8 +143,8 @@ def train(model, dataloader, optimizer, device, epoch, args):
     """One epoch; the loss averaged over every rank, and images/s."""
     # fixed: without set_epoch every epoch has the same order
     dataloader.sampler.set_epoch(epoch)
-    # a seed per epoch and rank: a resumed run then draws the same dropout and
-    # random crops (of your own model and data) as an unbroken run, bit for bit
+    # a seed per epoch and rank: if your model or data draws random numbers (dropout,
+    # random crops), a resumed run draws what an unbroken one did, bit for bit
     torch.manual_seed(args.seed + 1000 * epoch + dist.get_rank())
     global_batch = args.batch_size * dist.get_world_size()
     steps = len(dataloader)
@@ -241,8 +242,7 @@ def save_model(epoch, model, optimizer, args):
 
 def load_model(epoch, model, optimizer, device, args):
     """Every rank loads the checkpoint that rank 0 saved."""
-    # Wait until rank 0 has saved it. No barrier is needed after the load:
-    # each rank only reads, and the next collective keeps the ranks together.
+    # wait until rank 0 has saved it
     dist.barrier()
     file = f"{args.ckpt_dir}/epoch_{epoch}.pt"
     # fixed: onto this rank's own device; the tutorial maps cuda:0 to cuda:rank,
@@ -383,13 +383,13 @@ def start_workers(dataloader):
         batches = iter(dataloader)
     finally:
         for sig in signal.SIGINT, signal.SIGTERM:
-            signal.signal(sig, interrupt_once)
+            signal.signal(sig, exit_quietly)
     if not held:
         return batches
-    # a stop came: end the workers first (del), then exit 130 (interrupt_once);
+    # a stop came: end the workers first (del), then exit 130 (exit_quietly);
     # Python's exit alone removed their queues while a worker still opened them
     del batches
-    interrupt_once(held[0], None)
+    exit_quietly(held[0], None)
 
 
 def worker_init(worker_id):
@@ -417,7 +417,7 @@ def launch(main, args):
         # torchrun (or a pod that sets RANK) started this process as one rank
         local_rank = int(os.environ.get("LOCAL_RANK") or 0)
         return main(local_rank, args)
-    # optional, fixed: the tutorial's ranks each took every core; here, a share
+    # optional: each rank a share of the cores, not all of them (read as it starts)
     if not os.environ.get("OMP_NUM_THREADS"):
         threads = max(1, os.cpu_count() // args.nprocs)
         os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -426,18 +426,18 @@ def launch(main, args):
         s.bind(("127.0.0.1", 0))
         os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     os.environ["MASTER_ADDR"] = "127.0.0.1"
-    # `kill PID` reaches this process alone: pass it (and Ctrl-C) on to the ranks
+    # SIGTERM (`kill PID`) reaches this process alone: stop the ranks; Ctrl-C too
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, terminate_ranks)
     processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-    # wait for every rank. join=True would stop the others the moment one fails;
-    # a 5 s grace lets rank 0 print why
+    # join=True would stop the other ranks the moment one exits with an error;
+    # a 5 s grace lets rank 0 print a refusal that every rank exits with
     try:
         while not processes.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: exit with the failed rank's code, its one-line error the output;
-        # a rank killed by a signal (code < 0): torch's error names the signal
+        # optional: exit with the failed rank's exit code (its error is printed
+        # already); re-raise if a signal killed it: torch's error names the signal
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)
@@ -447,7 +447,7 @@ def terminate_ranks(signum, frame):
     """Stop every rank (SIGTERM), then exit 130 as they do."""
     for process in mp.active_children():
         process.terminate()
-    interrupt_once(signum, frame)
+    exit_quietly(signum, frame)
 
 
 def stop_after_launcher():
@@ -457,11 +457,10 @@ def stop_after_launcher():
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def interrupt_once(signum, frame):
+def exit_quietly(signum, frame):
     """Ctrl-C or SIGTERM: exit 130, the shell's code for Ctrl-C, and ignore both
     from now on, so that a second Ctrl-C cannot cut the clean-up short."""
     for sig in signal.SIGINT, signal.SIGTERM:
-        # a no-op, not SIG_IGN: it can print "Signal 15 ignored due to race condition"
         signal.signal(sig, lambda signum, frame: None)
     # SystemExit: unlike KeyboardInterrupt, it ends Python without a traceback
     sys.exit(130)

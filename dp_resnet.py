@@ -129,15 +129,15 @@ def newest_epoch(args):
     return max([int(n) for n in names if n.isdigit()], default=0)
 
 
-def save_model(epoch, net, optimizer, args):
+def save_model(epoch, bare_model, optimizer, args):
     """Atomic: written to a .tmp file, fsynced, then renamed to epoch_N.pt."""
     file = f"{args.ckpt_dir}/epoch_{epoch}.pt"
     # fixed: the tutorial's file.touch() left an empty checkpoint if the save failed
     tmp = Path(f"{file}.tmp")
     ckpt = dict(
         epoch=epoch,
-        # net, the bare model: its keys have no "module." prefix
-        model_state_dict=net.state_dict(),
+        # the bare model: its keys have no "module." prefix
+        model_state_dict=bare_model.state_dict(),
         optimizer_state_dict=optimizer.state_dict(),
     )
     try:
@@ -157,11 +157,11 @@ def save_model(epoch, net, optimizer, args):
     return file
 
 
-def load_model(epoch, net, optimizer, device, args):
+def load_model(epoch, bare_model, optimizer, device, args):
     file = f"{args.ckpt_dir}/epoch_{epoch}.pt"
     # weights_only: the file cannot run code
     ckpt = torch.load(file, map_location=device, weights_only=True)
-    net.load_state_dict(ckpt["model_state_dict"])
+    bare_model.load_state_dict(ckpt["model_state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_state_dict"])
     # --lr, not the checkpoint's lr: --resume --lr 0.1 trains at 0.1
     for group in optimizer.param_groups:
@@ -175,11 +175,11 @@ def run_training(gpus, train_set, num_classes, first_epoch, args):
         keep = args.max_steps * args.batch_size
         train_set = Subset(train_set, torch.randperm(len(train_set))[:keep].tolist())
     dataloader = prepare_dataloader(train_set, gpus, args)
-    # net: the bare model, which the checkpoints hold; model: what trains
-    net = build_model(args, num_classes).to(device)
+    # bare_model: what the checkpoints hold; model: what trains (maybe wrapped)
+    bare_model = build_model(args, num_classes).to(device)
     if args.channels_last:
-        net = net.to(memory_format=torch.channels_last)
-    model = Bf16Autocast(net) if args.amp else net
+        bare_model = bare_model.to(memory_format=torch.channels_last)
+    model = Bf16Autocast(bare_model) if args.amp else bare_model
     if gpus:
         # every visible GPU: at each step DataParallel copies the model from
         # GPU 0 to the others and splits the batch between them
@@ -189,7 +189,7 @@ def run_training(gpus, train_set, num_classes, first_epoch, args):
     steps = len(dataloader)
     line = (
         f"start | {Path(__file__).name} | gpus {gpus} | device {device}"
-        f" | model {type(net).__name__} | data {args.data or 'synthetic'}"
+        f" | model {type(bare_model).__name__} | data {args.data or 'synthetic'}"
         f" ({len(train_set)} images) | batch {args.batch_size} | lr {args.lr}"
         f" | steps {steps} | epochs {first_epoch}-{args.epochs}"
         f" | ckpt_dir {args.ckpt_dir}"
@@ -207,9 +207,9 @@ def run_training(gpus, train_set, num_classes, first_epoch, args):
         # the tutorial's pattern: each epoch starts from the last one's checkpoint
         # (after --resume, the first from the newest in --ckpt-dir)
         if epoch > 1:
-            load_model(epoch - 1, net, optimizer, device, args)
+            load_model(epoch - 1, bare_model, optimizer, device, args)
         loss, rate = train(model, dataloader, optimizer, device, epoch, args)
-        path = save_model(epoch, net, optimizer, args)
+        path = save_model(epoch, bare_model, optimizer, args)
         print(f"epoch {epoch}/{args.epochs} | loss {loss:.4f} | {rate:.0f} img/s")
     results = dict(
         epochs_run=len(epochs), final_loss=loss, images_per_sec=rate, checkpoint=path
@@ -261,13 +261,13 @@ def start_workers(dataloader):
         batches = iter(dataloader)
     finally:
         for sig in signal.SIGINT, signal.SIGTERM:
-            signal.signal(sig, interrupt_once)
+            signal.signal(sig, exit_quietly)
     if not held:
         return batches
-    # a stop came: end the workers first (del), then exit 130 (interrupt_once);
+    # a stop came: end the workers first (del), then exit 130 (exit_quietly);
     # Python's exit alone removed their queues while a worker still opened them
     del batches
-    interrupt_once(held[0], None)
+    exit_quietly(held[0], None)
 
 
 def worker_init(worker_id):
@@ -289,11 +289,10 @@ def exit_after_parent():
 
 
 # --- end of loader workers ---
-def interrupt_once(signum, frame):
+def exit_quietly(signum, frame):
     """Ctrl-C or SIGTERM: exit 130, the shell's code for Ctrl-C, and ignore both
     from now on, so that a second Ctrl-C cannot cut the clean-up short."""
     for sig in signal.SIGINT, signal.SIGTERM:
-        # a no-op, not SIG_IGN: it can print "Signal 15 ignored due to race condition"
         signal.signal(sig, lambda signum, frame: None)
     # SystemExit: unlike KeyboardInterrupt, it ends Python without a traceback
     sys.exit(130)
@@ -354,9 +353,9 @@ if __name__ == "__main__":
     # drop_last would leave no step at all
     if len(train_set) < args.batch_size:
         sys.exit(f"error: {len(train_set)} images, too few for one batch")
-    # from here on, Ctrl-C and SIGTERM exit 130 quietly, after a save's clean-up
+    # from here on, Ctrl-C and SIGTERM exit 130 quietly (a save removes its .tmp first)
     for sig in signal.SIGINT, signal.SIGTERM:
-        signal.signal(sig, interrupt_once)
+        signal.signal(sig, exit_quietly)
     # CUDA_VISIBLE_DEVICES chooses the GPUs
     gpus = 0 if args.cpu else torch.cuda.device_count()
     # epoch 1, or with --resume the one after the newest checkpoint

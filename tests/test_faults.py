@@ -357,7 +357,7 @@ def test_a_stop_mid_epoch_then_ctrl_c_during_a_save_then_resume(how, tmp_path):
     and exit 130 once the ranks have ended.
     Before, the second raised in the launcher's exit handler ("Exception ignored in atexit
     callback" and a traceback) and reached each rank again. The Ctrl-C comes twice too, 10 ms
-    apart: each process acts on the first alone (interrupt_once()). Before, the second printed
+    apart: each process acts on the first alone (exit_quietly()). Before, the second printed
     tracebacks from the launcher's exit handler, from torch.save's zip writer and from a rank's
     exit."""
     folder = tmp_path / "ckpt"
