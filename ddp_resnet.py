@@ -309,8 +309,8 @@ def run_training_process_on_given_gpu(local_rank, args):
 
 
 def decide_first_epoch(device, args):
-    """Epoch 1, or with --resume the one after the newest checkpoint. Rank 0
-    decides: on several nodes, the ranks may see different --ckpt-dir files."""
+    """Epoch 1, or with --resume the one after the newest checkpoint. Rank 0 decides
+    for all: another node may see a stale copy of a shared --ckpt-dir."""
     found = torch.tensor(newest_epoch(args), device=device)
     dist.broadcast(found, src=0)
     newest = found.item()
@@ -377,7 +377,6 @@ def start_workers(dataloader):
     it returns: a stop midway left a half-built loader and its workers' tracebacks."""
     held = []
     for sig in signal.SIGINT, signal.SIGTERM:
-        # the signal alone: a kept frame would keep the loader alive past the exit
         signal.signal(sig, lambda signum, frame: held.append(signum))
     try:
         batches = iter(dataloader)
@@ -417,7 +416,7 @@ def launch(main, args):
         # torchrun (or a pod that sets RANK) started this process as one rank
         local_rank = int(os.environ.get("LOCAL_RANK") or 0)
         return main(local_rank, args)
-    # optional: each rank a share of the cores, not all of them (read as it starts)
+    # optional: each rank a share of the cores, not all (each new rank's torch reads it)
     if not os.environ.get("OMP_NUM_THREADS"):
         threads = max(1, os.cpu_count() // args.nprocs)
         os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -430,8 +429,8 @@ def launch(main, args):
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, terminate_ranks)
     processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-    # join=True would stop the other ranks the moment one exits with an error;
-    # a 5 s grace lets rank 0 print a refusal that every rank exits with
+    # join=True would kill the other ranks the moment one fails; 5 s of grace lets
+    # rank 0 finish printing why the run failed
     try:
         while not processes.join(grace_period=5):
             pass

@@ -255,7 +255,6 @@ def start_workers(dataloader):
     it returns: a stop midway left a half-built loader and its workers' tracebacks."""
     held = []
     for sig in signal.SIGINT, signal.SIGTERM:
-        # the signal alone: a kept frame would keep the loader alive past the exit
         signal.signal(sig, lambda signum, frame: held.append(signum))
     try:
         batches = iter(dataloader)
