@@ -19,8 +19,8 @@ from pathlib import Path
 
 # Ctrl-C while torch imports (seconds): exit at once, quietly; ddp_setup takes over
 signal.signal(signal.SIGINT, signal.SIG_DFL)
-# a rank's launcher (torchrun, or launch() at the end), noted before torch loads:
-# stop_after_launcher ends the rank once this process is gone
+# under torchrun, this rank's launcher, noted before torch loads (torchrun may die
+# meanwhile): stop_after_launcher ends the rank once it is gone
 LAUNCHER = os.getppid()
 
 import torch
@@ -135,7 +135,9 @@ def terminate_ranks(signum, frame):
 
 def stop_after_launcher():
     """Poll this rank's parent, its launcher; once it has ended, stop as on SIGTERM."""
-    while os.getppid() == LAUNCHER:
+    # spawned: launch()'s pid, which LAUNCHER misses if launch() died within ms
+    launcher = mp.parent_process().pid if mp.parent_process() else LAUNCHER
+    while os.getppid() == launcher:
         time.sleep(1)
     os.kill(os.getpid(), signal.SIGTERM)
 

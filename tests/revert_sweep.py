@@ -249,6 +249,17 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         [("    threading.Thread(target=stop_after_launcher, daemon=True).start()\n", "")],
         "tests/test_faults.py::test_ranks_end_with_a_launcher_killed_as_they_start",
     ),
+    (  # spawned ranks that read LAUNCHER after their launcher died take init for it
+        "fm: spawned ranks watch the parent they found, not their launcher",
+        "ddp_fashionmnist.py",
+        [
+            (
+                "    launcher = mp.parent_process().pid if mp.parent_process() else LAUNCHER\n",
+                "    launcher = LAUNCHER\n",
+            )
+        ],
+        "tests/test_faults.py::test_ranks_end_with_a_launcher_killed_as_they_start[spawn]",
+    ),
     (
         "dp: loader workers outlive a killed process",
         "dp_resnet.py",

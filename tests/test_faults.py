@@ -435,23 +435,37 @@ def test_ctrl_c_in_the_first_seconds_is_quiet(script, tmp_path):
         assert res.stdout == "", (moment, res.stdout)  # stopped before the start line
 
 
+# in a spawned rank (only there is "spawn_main" on its command line): Python's start-up takes
+# 3 s, as on a loaded machine, before the script's first line
+STALL = """import time
+if b"spawn_main" in open("/proc/self/cmdline", "rb").read():
+    time.sleep(3)
+"""
+
+
 @pytest.mark.parametrize("how", ["spawn", "torchrun"])
-def test_ranks_end_with_a_launcher_killed_as_they_start(how):
-    """The launcher SIGKILLed while its 2 ranks import torch: both end within seconds. Before,
-    spawned ranks met on their own (torch arms their parent-death signal after the import; rank
-    0 hosts the rendezvous) and trained every epoch with no launcher to stop them
-    (ddp_resnet.py by hand: 4 of 4 epochs, each saved); torchrun's waited for its store until
-    --timeout."""
+def test_ranks_end_with_a_launcher_killed_as_they_start(how, tmp_path):
+    """The launcher SIGKILLed as its 2 ranks start: both end within seconds, none trains on.
+    Spawned: killed while the ranks are still in Python's start-up (held there 3 s), before
+    the script's first line, so that their parent is already gone when they read it; before,
+    they took the pid they found for their launcher's, met on their own (rank 0 hosts the
+    rendezvous; torch arms their parent-death signal only later) and trained every epoch with
+    no launcher to stop them. Under torchrun: killed as the ranks import torch; before, they
+    waited for its store until --timeout."""
     flags = ["--cpu", "--synthetic", "--epochs", 100, "--timeout", 120]
     if how == "spawn":
-        proc = start(python("ddp_fashionmnist.py", "--nprocs", 2, *flags))
+        (tmp_path / "sitecustomize.py").write_text(STALL)
+        cmd = python("ddp_fashionmnist.py", "--nprocs", 2, *flags)
+        proc = start(cmd, env={"PYTHONPATH": str(tmp_path)})
+        wait_for_ranks(proc, 2, under_torchrun=False)
+        time.sleep(1)  # each rank has its launcher's data by now, and still sleeps
     else:
         proc = start(torchrun("ddp_fashionmnist.py", 2, *flags))
-    ranks = wait_for_ranks(proc, 2, under_torchrun=how == "torchrun")
-    deadline = time.monotonic() + TIMEOUT
-    while not all(map(importing_torch, ranks)):  # past the script's first lines
-        assert time.monotonic() < deadline and proc.poll() is None, "no rank imported torch"
-        time.sleep(0.005)
+        ranks = wait_for_ranks(proc, 2, under_torchrun=True)
+        deadline = time.monotonic() + TIMEOUT
+        while not all(map(importing_torch, ranks)):  # past the script's first lines
+            assert time.monotonic() < deadline and proc.poll() is None, "no rank imports torch"
+            time.sleep(0.005)
     os.kill(proc.pid, signal.SIGKILL)
     res = finish(proc, timeout=60, check=False, linger=30)  # fails on any rank left 30 s later
     assert res.returncode == -signal.SIGKILL and "done |" not in res.stdout
