@@ -61,7 +61,7 @@ def ddp_setup(local_rank, args):
         world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL: the group's device, this rank's GPU (gloo takes none)
+        # NCCL binds the group to this rank's GPU; gloo takes no device
         device_id=device if cuda else None,
     )
     # from here on, Ctrl-C and SIGTERM exit 130 quietly; not before: a handler
@@ -250,7 +250,7 @@ def load_model(epoch, model, optimizer, device, args):
     ckpt = torch.load(file, map_location=device, weights_only=True)
     model.module.load_state_dict(ckpt["model_state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_state_dict"])
-    # --lr, not the checkpoint's lr: --resume --lr 0.1 trains at 0.1
+    # load_state_dict restored the saved lr; --lr wins (--resume --lr 0.1: 0.1)
     for group in optimizer.param_groups:
         group["lr"] = args.lr
 
@@ -416,7 +416,7 @@ def launch(main, args):
         # torchrun (or a pod that sets RANK) started this process as one rank
         local_rank = int(os.environ.get("LOCAL_RANK") or 0)
         return main(local_rank, args)
-    # optional: each rank a share of the cores, not all (each new rank's torch reads it)
+    # optional: each rank a share of the cores, not all (the ranks inherit this)
     if not os.environ.get("OMP_NUM_THREADS"):
         threads = max(1, os.cpu_count() // args.nprocs)
         os.environ["OMP_NUM_THREADS"] = str(threads)
@@ -425,12 +425,12 @@ def launch(main, args):
         s.bind(("127.0.0.1", 0))
         os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     os.environ["MASTER_ADDR"] = "127.0.0.1"
-    # SIGTERM (`kill PID`) reaches this process alone: stop the ranks; Ctrl-C too
+    # Ctrl-C, or a SIGTERM sent to this process alone (`kill PID`): stop the ranks
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, terminate_ranks)
     processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
-    # join=True would kill the other ranks the moment one fails; 5 s of grace lets
-    # rank 0 finish printing why the run failed
+    # join() is True once every rank has ended; after one fails, the others get 5 s
+    # (join=True gives none), so that rank 0 can finish printing why
     try:
         while not processes.join(grace_period=5):
             pass
