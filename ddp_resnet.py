@@ -250,7 +250,7 @@ def load_model(epoch, model, optimizer, device, args):
     ckpt = torch.load(file, map_location=device, weights_only=True)
     model.module.load_state_dict(ckpt["model_state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_state_dict"])
-    # load_state_dict restored the saved lr; --lr wins (--resume --lr 0.1: 0.1)
+    # the load brought back the saved lr: set --lr again (a --resume may pass another)
     for group in optimizer.param_groups:
         group["lr"] = args.lr
 
