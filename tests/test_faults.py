@@ -496,7 +496,7 @@ def test_a_stop_while_the_forkserver_loads_torch_is_quiet(script, stop, tmp_path
     moment of its first 3 s); now it imports the script first, whose first line comes first.
     SIGTERM reaches the ranks alone: the forkserver, done with its imports, forked the worker
     asked for, which failed to open a semaphore its rank removed as it ended (12 of 20 runs
-    stopped at a random moment of 5-10 s); start_workers() now holds the stop until the loader
+    stopped at a random moment of 5-10 s); hold_stops() now holds the stop until the loader
     is built. A Ctrl-C ends the loading forkserver too, and the loader waiting for it raised:
     now the first request is a do-nothing process, whose start() waits for the imports, and
     the Ctrl-C stops the run there. The forkserver is held stopped here, as on a busy machine,
@@ -536,6 +536,28 @@ def test_a_stop_while_the_forkserver_loads_torch_is_quiet(script, stop, tmp_path
     assert "epoch 1/2 | loss" not in res.stdout, res.stdout  # the stop came before it
 
 
+def test_a_ctrl_c_that_ends_the_loading_forkserver_is_quiet(tmp_path):
+    """Ctrl-C to a spawned run 1 s after its forkservers began to import torch, nothing held
+    stopped: a forkserver dies of it (SIGINT's default action while it imports the script),
+    and its rank, waiting for it, reads the end of their connection. Python 3.14's forkserver
+    checks each request over a multiprocessing Connection, and the rank's handler could then
+    run inside the clean-up of that Connection: its rank printed `Exception ignored while
+    calling deallocator ... OSError: [Errno 9] Bad file descriptor` (4 of 5 runs on 3.14.10).
+    Now the forkserver starts with the stops held (hold_stops). Earlier Pythons have no such
+    Connection: there this checks the quiet stop alone."""
+    flags = ["--workers", 1, "--epochs", 2, "--ckpt-dir", tmp_path / "ckpt"]
+    proc = start(command("spawn", *flags))
+    deadline = time.monotonic() + TIMEOUT
+    while not forkservers_importing_torch(proc.mark):
+        assert time.monotonic() < deadline and proc.poll() is None, "no forkserver"
+        time.sleep(0.005)
+    time.sleep(1)
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole group
+    res = finish(proc, timeout=30, check=False)  # and nothing left
+    interrupted(res, "spawn")
+    assert "Exception ignored" not in res.stderr, res.stderr[-3000:]
+
+
 def forked_by_a_forkserver(mark: str) -> set:
     """The run's processes whose parent is one of its forkservers: loader workers, at any
     point of their start."""
@@ -548,7 +570,7 @@ def test_ctrl_c_as_the_loader_workers_start_is_quiet_and_leaves_nothing(tmp_path
     spawned ranks: exit 130, nothing on stderr, and nothing left in TMPDIR. Before, the Ctrl-C
     cut the loader's start short: torch printed an AttributeError from the half-built loader,
     and a worker whose rank had ended printed a FileNotFoundError for its semaphores (8 of 8
-    runs so stopped). Now start_workers() holds the Ctrl-C until the loader is built; the
+    runs so stopped). Now hold_stops() holds the Ctrl-C until the loader is built; the
     rank then ends its workers as it exits. And before that, batches went by shared-memory
     name (the file_system strategy): each worker started a torch_shm_manager for its first
     batch, which aborted when its worker ended first, printing 'terminate called ... what():
