@@ -123,7 +123,7 @@ def prepare_dataloader(dataset, device, args):
     if args.workers:
         # workers from a forkserver, not forks of this rank: a fork can stall on
         # gloo's or NCCL's threads
-        hold_stops(start_forkserver)
+        start_forkserver()
     return DataLoader(
         dataset,
         args.batch_size,
@@ -359,7 +359,7 @@ def report(results, steps, device, args):
 
 # --- loader workers (--workers): prepare_dataloader and train need this section ---
 def start_forkserver():
-    """Start the forkserver that forks the loader workers, and wait for its imports."""
+    """Start the forkserver that forks the loader workers (it imports for seconds)."""
     # this script first: its SIGINT line then covers the forkserver's `import torch`
     mp.set_forkserver_preload([Path(__file__).stem, "torch", "torchvision"])
     # it finds this script by name only if started in the script's folder
@@ -367,9 +367,6 @@ def start_forkserver():
     os.chdir(Path(__file__).parent)
     forkserver.ensure_running()
     os.chdir(cwd)
-    # a do-nothing process (int() returns 0): starting it waits for the forkserver.
-    # A Ctrl-C ends a loading forkserver too: the run then stops here, not in iter()
-    mp.get_context("forkserver").Process(target=int).start()
 
 
 def hold_stops(start):

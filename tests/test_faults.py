@@ -498,8 +498,8 @@ def test_a_stop_while_the_forkserver_loads_torch_is_quiet(script, stop, tmp_path
     asked for, which failed to open a semaphore its rank removed as it ended (12 of 20 runs
     stopped at a random moment of 5-10 s); hold_stops() now holds the stop until the loader
     is built. A Ctrl-C ends the loading forkserver too, and the loader waiting for it raised:
-    now the first request is a do-nothing process, whose start() waits for the imports, and
-    the Ctrl-C stops the run there. The forkserver is held stopped here, as on a busy machine,
+    now hold_stops() takes a start that fails while a stop is held for that stop, and exits
+    130. The forkserver is held stopped here, as on a busy machine,
     until the training process has asked (its main thread blocks on a pipe; 10 s where /proc
     cannot say).
     Run from another folder, as `torchrun path/to/ddp_resnet.py` is: the forkserver finds the
@@ -543,8 +543,9 @@ def test_a_ctrl_c_that_ends_the_loading_forkserver_is_quiet(tmp_path):
     checks each request over a multiprocessing Connection, and the rank's handler could then
     run inside the clean-up of that Connection: its rank printed `Exception ignored while
     calling deallocator ... OSError: [Errno 9] Bad file descriptor` (4 of 5 runs on 3.14.10).
-    Now the forkserver starts with the stops held (hold_stops). Earlier Pythons have no such
-    Connection: there this checks the quiet stop alone."""
+    That request was a do-nothing process's, started with the raising handler; now the first
+    is a worker's, inside hold_stops(). Earlier Pythons have no such Connection: there this
+    checks the quiet stop alone."""
     flags = ["--workers", 1, "--epochs", 2, "--ckpt-dir", tmp_path / "ckpt"]
     proc = start(command("spawn", *flags))
     deadline = time.monotonic() + TIMEOUT
