@@ -151,8 +151,8 @@ def train(model, dataloader, optimizer, device, epoch, args):
     # summed on the device: an .item() at every step would wait for the GPU
     loss_sum = torch.zeros((), device=device)
     began = last_print = time.monotonic()
-    # iter() starts the workers; hold_stops holds Ctrl-C meanwhile
-    for step, (images, labels) in enumerate(hold_stops(dataloader.__iter__), start=1):
+    # start_workers: iter(dataloader), with Ctrl-C held while the workers start
+    for step, (images, labels) in enumerate(start_workers(dataloader), start=1):
         # non_blocking: the copy of a pinned batch overlaps the GPU's work
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
@@ -369,26 +369,26 @@ def start_forkserver():
     os.chdir(cwd)
 
 
-def hold_stops(start):
-    """start(), with Ctrl-C and SIGTERM held until it returns: a stop midway left
-    half-started processes and their tracebacks. Then a held stop exits 130."""
+def start_workers(dataloader):
+    """iter(dataloader), which starts its workers, with Ctrl-C and SIGTERM held until
+    it returns: a stop midway left a half-built loader and its workers' tracebacks."""
     held = []
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, lambda signum, frame: held.append(signum))
     try:
-        started = start()
+        batches = iter(dataloader)
     except Exception:
-        # a Ctrl-C ends a loading forkserver too, and so the start: the stop counts
+        # a Ctrl-C ends a loading forkserver too, and so this start: the stop counts
         if not held:
             raise
     finally:
         for sig in signal.SIGINT, signal.SIGTERM:
             signal.signal(sig, exit_quietly)
     if not held:
-        return started
-    # a stop came: end the workers first (dropping the iterator does), then exit 130;
+        return batches
+    # a stop came: end the workers first (batches = None does), then exit 130;
     # Python's exit alone removed their queues while a worker still opened them
-    started = None
+    batches = None
     exit_quietly(held[0], None)
 
 

@@ -281,7 +281,7 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
     (  # a stop inside iter(): a half-built loader's AttributeError, its workers' FileNotFoundError
         "ddp: a stop as the workers start is not held",
         "ddp_resnet.py",
-        [("enumerate(hold_stops(dataloader.__iter__), start=1)", "enumerate(dataloader, start=1)")],
+        [("enumerate(start_workers(dataloader), start=1)", "enumerate(dataloader, start=1)")],
         "tests/test_faults.py::test_ctrl_c_as_the_loader_workers_start_is_quiet_and_leaves_nothing",
     ),
     (  # the epoch's last step breaks out of the loop, as --max-steps once did
