@@ -381,14 +381,15 @@ def start_workers(dataloader):
         # a Ctrl-C ends a loading forkserver too, and so this start: the stop counts
         if not held:
             raise
+        batches = None
     finally:
         for sig in signal.SIGINT, signal.SIGTERM:
             signal.signal(sig, exit_quietly)
     if not held:
         return batches
-    # a stop came: end the workers first (batches = None does), then exit 130;
+    # a stop came: end the workers first (del), then exit 130 (exit_quietly);
     # Python's exit alone removed their queues while a worker still opened them
-    batches = None
+    del batches
     exit_quietly(held[0], None)
 
 

@@ -335,14 +335,14 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         # for it, fails (a traceback from multiprocessing's start)
         "ddp: a start that a stop failed raises",
         "ddp_resnet.py",
-        [("        if not held:\n            raise\n", "        raise\n")],
+        [("        if not held:\n            raise\n        batches = None\n", "        raise\n")],
         "tests/test_faults.py::test_a_stop_while_the_forkserver_loads_torch_is_quiet[ddp_resnet.py-ctrl_c]",
     ),
     (  # a Ctrl-C while the forkserver imports ends it too, and the loader's start, waiting
         # for it, fails (a traceback from multiprocessing's start)
         "dp: a start that a stop failed raises",
         "dp_resnet.py",
-        [("        if not held:\n            raise\n", "        raise\n")],
+        [("        if not held:\n            raise\n        batches = None\n", "        raise\n")],
         "tests/test_faults.py::test_a_stop_while_the_forkserver_loads_torch_is_quiet[dp_resnet.py-ctrl_c]",
     ),
     (

@@ -476,6 +476,15 @@ def forkservers_importing_torch(mark: str) -> list:
     return [p for p in tagged(mark) if "forkserver" in cmdline(p) and importing_torch(p)]
 
 
+def wait_for_forkservers_importing_torch(proc) -> list:
+    """Wait until a loader forkserver of this run has begun to import torch; return those."""
+    deadline = time.monotonic() + TIMEOUT
+    while not (servers := forkservers_importing_torch(proc.mark)):
+        assert time.monotonic() < deadline and proc.poll() is None, "no forkserver"
+        time.sleep(0.005)
+    return servers
+
+
 def waits_on_a_pipe(pid: int) -> bool:
     """The process's main thread is blocked reading a pipe (as for the pid of a process that the
     forkserver has yet to fork)."""
@@ -499,9 +508,8 @@ def test_a_stop_while_the_forkserver_loads_torch_is_quiet(script, stop, tmp_path
     stopped at a random moment of 5-10 s); start_workers() now holds the stop until the loader
     is built. A Ctrl-C ends the loading forkserver too, and the loader waiting for it raised:
     now start_workers() takes a start that fails while a stop is held for that stop, and exits
-    130. The forkserver is held stopped here, as on a busy machine,
-    until the training process has asked (its main thread blocks on a pipe; 10 s where /proc
-    cannot say).
+    130. The forkserver is held stopped here, as on a busy machine, until the training process
+    has asked (its main thread blocks on a pipe; 10 s where /proc cannot say).
     Run from another folder, as `torchrun path/to/ddp_resnet.py` is: the forkserver finds the
     script only because it starts in the script's folder."""
     flags = ["--workers", 1, "--epochs", 2, "--ckpt-dir", tmp_path / "ckpt"]
@@ -512,10 +520,7 @@ def test_a_stop_while_the_forkserver_loads_torch_is_quiet(script, stop, tmp_path
     else:  # spawned: torchrun sends its SIGTERM to the rank's process group, forkserver too
         how, cmd = "spawn", python(script, *LONG, *flags, "--nprocs", 1)
     proc = start(cmd, cwd=tmp_path)
-    deadline = time.monotonic() + TIMEOUT
-    while not (servers := forkservers_importing_torch(proc.mark)):
-        assert time.monotonic() < deadline and proc.poll() is None, "no forkserver"
-        time.sleep(0.005)
+    servers = wait_for_forkservers_importing_torch(proc)
     os.kill(servers[0], signal.SIGSTOP)
     trainer = proc.pid  # dp_resnet.py trains in the process it started as
     if how != "dp":  # the one rank: torchrun starts the script, mp.spawn its spawn_main
@@ -548,10 +553,7 @@ def test_a_ctrl_c_that_ends_the_loading_forkserver_is_quiet(tmp_path):
     checks the quiet stop alone."""
     flags = ["--workers", 1, "--epochs", 2, "--ckpt-dir", tmp_path / "ckpt"]
     proc = start(command("spawn", *flags))
-    deadline = time.monotonic() + TIMEOUT
-    while not forkservers_importing_torch(proc.mark):
-        assert time.monotonic() < deadline and proc.poll() is None, "no forkserver"
-        time.sleep(0.005)
+    wait_for_forkservers_importing_torch(proc)
     time.sleep(1)
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole group
     res = finish(proc, timeout=30, check=False)  # and nothing left
