@@ -38,13 +38,13 @@ def ddp_setup(local_rank, args):
     if cuda:
         # before the first collective, or every rank would use cuda:0
         torch.cuda.set_device(device)
-    # MASTER_ADDR and MASTER_PORT: set by torchrun, or by launch() before the spawn
+    # MASTER_ADDR, MASTER_PORT and WORLD_SIZE: from torchrun, or from launch()
     dist.init_process_group(
         # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on CPUs
         "nccl" if cuda else "gloo",
-        # torchrun sets RANK and WORLD_SIZE; spawned on one node, rank = local_rank
+        # torchrun sets RANK too; spawned on one node, rank = local_rank
         rank=int(os.environ.get("RANK") or local_rank),
-        world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
+        world_size=int(os.environ["WORLD_SIZE"]),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
         # NCCL binds the group to this rank's GPU; gloo takes no device
@@ -109,6 +109,8 @@ def launch(main, args):
         s.bind(("127.0.0.1", 0))
         os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     os.environ["MASTER_ADDR"] = "127.0.0.1"
+    # this run's own: an exported WORLD_SIZE is for torchrun's nodes
+    os.environ["WORLD_SIZE"] = str(args.nprocs)
     # Ctrl-C, or a SIGTERM sent to this process alone (`kill PID`): stop the ranks
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, terminate_ranks)
@@ -158,13 +160,19 @@ def positive(text):
     return int(text)
 
 
+def nonempty(text):
+    if not text:
+        raise ValueError(text)
+    return text
+
+
 def parse_args():
     p = argparse.ArgumentParser()
     gpus = torch.cuda.device_count()
     p.add_argument("--nprocs", type=positive, default=gpus or 2)
     p.add_argument("--cpu", action="store_true", help="gloo even with GPUs")
     p.add_argument("--timeout", type=positive, default=300, help="seconds")
-    p.add_argument("--metrics-out", help="rank 0 writes the results as JSON")
+    p.add_argument("--metrics-out", type=nonempty, help="rank 0's results, as JSON")
     return p.parse_args()
 
 

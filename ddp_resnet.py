@@ -52,13 +52,13 @@ def ddp_setup(local_rank, args):
     if cuda:
         # before the first collective, or every rank would use cuda:0
         torch.cuda.set_device(device)
-    # MASTER_ADDR and MASTER_PORT: set by torchrun, or by launch() before the spawn
+    # MASTER_ADDR, MASTER_PORT and WORLD_SIZE: from torchrun, or from launch()
     dist.init_process_group(
         # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on CPUs
         "nccl" if cuda else "gloo",
-        # torchrun sets RANK and WORLD_SIZE; spawned on one node, rank = local_rank
+        # torchrun sets RANK too; spawned on one node, rank = local_rank
         rank=int(os.environ.get("RANK") or local_rank),
-        world_size=int(os.environ.get("WORLD_SIZE") or args.nprocs),
+        world_size=int(os.environ["WORLD_SIZE"]),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
         # NCCL binds the group to this rank's GPU; gloo takes no device
@@ -208,9 +208,9 @@ def evaluate(model, val_set, device, args):
 
 def newest_epoch(args):
     """N of the newest epoch_N.pt in --ckpt-dir; 0 if there is none."""
-    files = Path(args.ckpt_dir).glob("epoch_*.pt")
+    files = Path(args.ckpt_dir).glob("epoch_[1-9]*.pt")
     names = [file.stem.removeprefix("epoch_") for file in files]
-    return max([int(n) for n in names if n.isdigit()], default=0)
+    return max([int(n) for n in names if n.isdecimal()], default=0)
 
 
 def save_model(epoch, model, optimizer, args):
@@ -427,6 +427,8 @@ def launch(main, args):
         s.bind(("127.0.0.1", 0))
         os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     os.environ["MASTER_ADDR"] = "127.0.0.1"
+    # this run's own: an exported WORLD_SIZE is for torchrun's nodes
+    os.environ["WORLD_SIZE"] = str(args.nprocs)
     # Ctrl-C, or a SIGTERM sent to this process alone (`kill PID`): stop the ranks
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, terminate_ranks)
@@ -476,20 +478,26 @@ def positive(text):
     return int(text)
 
 
+def nonempty(text):
+    if not text:
+        raise ValueError(text)
+    return text
+
+
 def parse_args():
     p = argparse.ArgumentParser()
     gpus = torch.cuda.device_count()
     p.add_argument("--nprocs", type=positive, default=gpus or 2)
     p.add_argument("--cpu", action="store_true", help="gloo even with GPUs")
     p.add_argument("--timeout", type=positive, default=300, help="seconds")
-    p.add_argument("--metrics-out", help="rank 0 writes the results as JSON")
+    p.add_argument("--metrics-out", type=nonempty, help="rank 0's results, as JSON")
     p.add_argument("--epochs", type=positive, default=30)
     p.add_argument("--batch-size", type=positive, default=64, help="per rank")
     p.add_argument("--lr", type=float, default=0.01, help="learning rate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-steps", type=positive, help="cuts each epoch to N steps")
-    p.add_argument("--data", help="an ImageFolder; without it, random images")
-    p.add_argument("--val-data", help="an ImageFolder of --data's classes")
+    p.add_argument("--data", type=nonempty, help="an ImageFolder (else random images)")
+    p.add_argument("--val-data", type=nonempty, help="ImageFolder of --data's classes")
     p.add_argument("--image-size", type=positive, default=224)
     # torchvision's classifiers, except two whose training output is a tuple
     archs = models.list_models(module=models, exclude=["googlenet", "inception*"])
@@ -497,7 +505,7 @@ def parse_args():
     p.add_argument("--workers", type=int, default=4 if gpus else 0, help="per rank")
     p.add_argument("--amp", action="store_true", help="bf16 autocast")
     p.add_argument("--channels-last", action="store_true")
-    p.add_argument("--ckpt-dir", default="model_checkpoints")
+    p.add_argument("--ckpt-dir", type=nonempty, default="model_checkpoints")
     p.add_argument("--resume", action="store_true", help="from the newest epoch_N")
     return p.parse_args()
 

@@ -124,9 +124,9 @@ def train(model, dataloader, optimizer, device, epoch, args):
 
 def newest_epoch(args):
     """N of the newest epoch_N.pt in --ckpt-dir; 0 if there is none."""
-    files = Path(args.ckpt_dir).glob("epoch_*.pt")
+    files = Path(args.ckpt_dir).glob("epoch_[1-9]*.pt")
     names = [file.stem.removeprefix("epoch_") for file in files]
-    return max([int(n) for n in names if n.isdigit()], default=0)
+    return max([int(n) for n in names if n.isdecimal()], default=0)
 
 
 def save_model(epoch, bare_model, optimizer, args):
@@ -305,15 +305,21 @@ def positive(text):
     return int(text)
 
 
+def nonempty(text):
+    if not text:
+        raise ValueError(text)
+    return text
+
+
 def parse_args():
     p = argparse.ArgumentParser()
     p.add_argument("--cpu", action="store_true", help="the CPU even with GPUs")
-    p.add_argument("--metrics-out", help="write the results as JSON")
+    p.add_argument("--metrics-out", type=nonempty, help="the results, as JSON")
     p.add_argument("--epochs", type=positive, default=30)
     p.add_argument("--batch-size", type=positive, default=64, help="split over GPUs")
     p.add_argument("--lr", type=float, default=0.01, help="learning rate")
     p.add_argument("--max-steps", type=positive, help="cuts each epoch to N steps")
-    p.add_argument("--data", help="an ImageFolder; without it, random images")
+    p.add_argument("--data", type=nonempty, help="an ImageFolder (else random images)")
     p.add_argument("--image-size", type=positive, default=224)
     # torchvision's classifiers, except two whose training output is a tuple
     archs = models.list_models(module=models, exclude=["googlenet", "inception*"])
@@ -323,7 +329,7 @@ def parse_args():
     p.add_argument("--workers", type=int, default=4 * gpus)
     p.add_argument("--amp", action="store_true", help="bf16 autocast")
     p.add_argument("--channels-last", action="store_true")
-    p.add_argument("--ckpt-dir", default="model_checkpoints")
+    p.add_argument("--ckpt-dir", type=nonempty, default="model_checkpoints")
     p.add_argument("--resume", action="store_true", help="from the newest epoch_N")
     return p.parse_args()
 

@@ -24,6 +24,8 @@ while [ $# -gt 0 ]; do
   shift
 done
 [[ ${bench_batch:-1} =~ ^[1-9][0-9]*$ ]] || die 2 "--bench-batch N: N a whole number above 0"
+[ -z "$bench_batch" ] || [ "$mode" = bench ] || die 2 "--bench-batch goes with --bench"
+case ${RUNS_DIR:-} in /* | "") ;; *) RUNS_DIR=$PWD/$RUNS_DIR ;; esac  # relative: to where you are
 cd "$(dirname "$0")" || exit 1
 PY=${PYTHON:-python3} RUNS=${RUNS_DIR:-runs}
 TIMEOUT=${RUN_TIMEOUT:-$([ "$mode" = full ] && echo 0 || echo 900)}

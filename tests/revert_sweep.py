@@ -467,6 +467,30 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         [("    sys.stdout.reconfigure(line_buffering=True)", "    pass")],
         "tests/test_resnet.py::test_dataparallel_lines_reach_a_log_file_as_they_are_printed",
     ),
+    (  # rank 0 trains alone as a world of 1, saving checkpoints, until the others fail
+        "gather: an exported WORLD_SIZE wins",
+        "ddp_gather.py",
+        [('    os.environ["WORLD_SIZE"] = str(args.nprocs)\n', "")],
+        "tests/test_gather.py::test_all_gather_object_rank_order",
+    ),
+    (  # the checks look at the current folder, the saves go to /epoch_N.pt
+        "ddp: an empty --ckpt-dir taken",
+        "ddp_resnet.py",
+        [('"--ckpt-dir", type=nonempty,', '"--ckpt-dir",')],
+        "tests/test_resnet.py::test_bad_input_fails_before_training_and_names_the_cause",
+    ),
+    (
+        "dp: an empty --data taken",
+        "dp_resnet.py",
+        [('"--data", type=nonempty,', '"--data",')],
+        "tests/test_resnet.py::test_bad_input_fails_before_training_and_names_the_cause",
+    ),
+    (
+        "ddp: any epoch_*.pt counts",
+        "ddp_resnet.py",
+        [('glob("epoch_[1-9]*.pt")', 'glob("epoch_*.pt")'), ("n.isdecimal()", "n.isdigit()")],
+        "tests/test_resnet.py::test_lr_on_resume_is_the_flags",
+    ),
 ]
 if __name__ == "__main__":  # tests/test_size.py imports R
     only = sys.argv[1:]

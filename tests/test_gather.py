@@ -20,8 +20,9 @@ from conftest import (
 def test_all_gather_object_rank_order(tmp_path):
     """Both launch paths at once, 3 spawned ranks and 2 under torchrun, while another program
     holds the tutorials' port 12355 and torchrun's default 29500: neither path needs them. The
-    spawned run has MASTER_PORT exported to the busy 12355: a spawned run takes a free port of
-    its own, so two runs on one machine never meet."""
+    spawned run has MASTER_PORT exported to the busy 12355, and WORLD_SIZE to 1: a spawned run
+    takes a free port of its own, so two runs on one machine never meet, and --nprocs ranks
+    (once, the exported WORLD_SIZE won: rank 0 trained alone until the others failed)."""
     held = [occupy(12355), occupy(29500)]
     out = {w: tmp_path / f"{w}.json" for w in (3, 2)}
     copy = shutil.copy(ROOT / "ddp_gather.py", tmp_path / "my_gather.py")  # a user's copy
@@ -30,8 +31,8 @@ def test_all_gather_object_rank_order(tmp_path):
         2: torchrun("ddp_gather.py", 2, "--cpu", "--metrics-out", out[2]),
     }
     try:
-        # the spawned run with MASTER_PORT exported to the busy 12355
-        procs = [start(cmds[3], env={"MASTER_PORT": "12355"}), start(cmds[2])]
+        # the spawned run with MASTER_PORT exported to the busy 12355, and WORLD_SIZE to 1
+        procs = [start(cmds[3], env={"MASTER_PORT": "12355", "WORLD_SIZE": "1"}), start(cmds[2])]
         results = dict(zip(cmds, finish_all(procs, 120), strict=True))
     finally:
         for s in held:
@@ -50,10 +51,18 @@ def test_all_gather_object_rank_order(tmp_path):
     assert results[3].stderr == ""
 
 
-@pytest.mark.parametrize("nprocs", [0, "two"])
-def test_bad_nprocs_is_one_clear_line(nprocs):
-    res = run(python("ddp_gather.py", "--cpu", "--nprocs", nprocs), timeout=60, check=False)
+@pytest.mark.parametrize(
+    "flag, value, kind",
+    # an empty --metrics-out ("$OUT", OUT unset) once wrote nothing, and the run passed
+    [
+        ("--nprocs", 0, "positive"),
+        ("--nprocs", "two", "positive"),
+        ("--metrics-out", "", "nonempty"),
+    ],
+)
+def test_a_bad_flag_is_one_clear_line(flag, value, kind):
+    res = run(python("ddp_gather.py", "--cpu", flag, value), timeout=60, check=False)
     assert res.returncode == 2
     assert last_line(res.stderr) == (
-        f"ddp_gather.py: error: argument --nprocs: invalid positive value: '{nprocs}'"
+        f"ddp_gather.py: error: argument {flag}: invalid {kind} value: '{value}'"
     )

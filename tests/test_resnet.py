@@ -158,16 +158,22 @@ def test_a_rank_without_local_rank_still_refuses_a_used_folder(uninterrupted, tm
 @pytest.mark.parametrize("script", ["ddp_resnet.py", "dp_resnet.py"])
 def test_lr_on_resume_is_the_flags(script, uninterrupted, tmp_path):
     """--lr 0.5 --resume: the start line says lr 0.5, and it trains at 0.5. Once, the reload of
-    the optimizer's state put the checkpoint's 0.01 back at every epoch, silently."""
+    the optimizer's state put the checkpoint's 0.01 back at every epoch, silently. Files named
+    like checkpoints that a run never writes are left alone."""
     ckpt = tmp_path / "ck"
     ckpt.mkdir()
     shutil.copy(uninterrupted[0] / "epoch_2.pt", ckpt)
+    # not checkpoints of ours: once, epoch_010.pt was taken for an epoch_10.pt, and epoch_1³.pt
+    # was a ValueError traceback
+    for name in ("epoch_010.pt", "epoch_1³.pt", "epoch_x.pt"):
+        (ckpt / name).write_bytes(b"a user's")
     res = run(
         command(script, "--epochs", 3, "--resume", "--lr", 0.5, "--ckpt-dir", ckpt, ranks=1),
         timeout=TIMEOUT,
         env=ONE_THREAD,
     )
-    assert "| lr 0.5 |" in res.stdout.splitlines()[0]
+    start_line = res.stdout.splitlines()[0]
+    assert "| lr 0.5 |" in start_line and start_line.endswith("resuming from epoch_2.pt")
     saved = torch.load(ckpt / "epoch_3.pt", weights_only=True)["optimizer_state_dict"]
     assert [group["lr"] for group in saved["param_groups"]] == [0.5]
 
@@ -234,9 +240,13 @@ def test_bad_input_fails_before_training_and_names_the_cause(script, tmp_path, r
         cases.append(
             (["--batch-size", 6401], 1, "error: 12800 images: too few for --batch-size 6401")
         )
+        # once, an empty folder counted as the current one, and the saves went to /epoch_N.pt
+        cases.append((["--ckpt-dir", ""], 2, "argument --ckpt-dir: invalid nonempty value: ''"))
     else:
         cases.append((["--batch-size", 13000], 1, "error: 12800 images, too few for one batch"))
         cases.append((["--arch", "googlenet"], 2, "argument --arch: invalid choice: 'googlenet'"))
+        # `--data "$DATA"`, DATA unset: once, random images, silently
+        cases.append((["--data", ""], 2, "argument --data: invalid nonempty value: ''"))
         empty = tmp_path / "empty"
         empty.mkdir()
         cases.append((["--data", empty], 1, f"Couldn't find any class folder in {empty}."))

@@ -136,10 +136,11 @@ def test_two_calls_at_once_in_one_runs_dir_keep_their_own_rows_and_the_users_fil
     """Two calls at once in a RUNS_DIR that holds a user's own ckpt/ and runs.tsv: each call
     writes into a new folder of its own, its table has its own rows alone, and the user's files
     stay as they were (once, run_all.sh deleted RUNS_DIR/ckpt and emptied RUNS_DIR/runs.tsv,
-    and two calls printed each other's rows). In one call, a run that fails, one that writes no
-    metrics and one whose launcher is killed (its ranks must go too) each fail their row, and
-    the others still run; exit 1. Stand-ins, quick, except the FashionMNIST run, whose launcher
-    is killed."""
+    and two calls printed each other's rows). The second call starts in the folder above,
+    with RUNS_DIR relative to it (once, taken from run_all.sh's folder). In one call, a run
+    that fails, one that writes no metrics and one whose launcher is killed (its ranks must go
+    too) each fail their row, and the others still run; exit 1. Stand-ins, quick, except the
+    FashionMNIST run, whose launcher is killed."""
     runs = tmp_path / "runs"
     (runs / "ckpt").mkdir(parents=True)
     (runs / "ckpt" / "epoch_1.pt").write_bytes(b"the user's")
@@ -149,7 +150,11 @@ def test_two_calls_at_once_in_one_runs_dir_keep_their_own_rows_and_the_users_fil
     # dp_resnet.py fails, ddp_resnet.py exits 0 but writes no metrics
     copy_with(failing, dp_resnet=FRESH + "sys.exit('boom')\n", ddp_resnet=FRESH)
     copy_with(passing, ddp_gather=GATHER, ddp_fashionmnist=FM, dp_resnet=RESNET, ddp_resnet=RESNET)
-    procs = [start_run_all(failing, runs), start_run_all(passing, runs)]
+    # the second from the folder above, its RUNS_DIR relative to it (once, to run_all.sh's)
+    second = start(
+        ["bash", passing / "run_all.sh"], tmp_path, {"RUNS_DIR": "runs", "PYTHON": sys.executable}
+    )
+    procs = [start_run_all(failing, runs), second]
     kill_the_launcher(procs[0], "ddp_fashionmnist.py")
     res = finish(procs[0], timeout=180, check=False)  # fails if any rank outlived its launcher
     ok = finish(procs[1], timeout=60)
@@ -168,11 +173,19 @@ def test_two_calls_at_once_in_one_runs_dir_keep_their_own_rows_and_the_users_fil
     assert len(rows) == 5 and all(r["result"].startswith("ok: ") for r in rows.values()), rows
     assert ok.stdout.rstrip().endswith("run_all: all 5 runs passed")
     assert own_folder(res.stdout) != own_folder(ok.stdout)
+    assert own_folder(res.stdout).parent == own_folder(ok.stdout).parent == runs
     assert (runs / "ckpt" / "epoch_1.pt").read_bytes() == b"the user's"
     assert (runs / "runs.tsv").read_text() == "the user's\n"
 
 
-def test_an_unknown_option_is_one_line_and_exit_2():
-    res = run(["bash", str(ROOT / "run_all.sh"), "--fast"], timeout=30, check=False)
+@pytest.mark.parametrize(
+    "flags, why",
+    [
+        (["--fast"], "unknown option --fast (see --help)"),
+        (["--bench-batch", 4], "--bench-batch goes with --bench"),
+    ],
+)
+def test_a_bad_option_is_one_line_and_exit_2(flags, why):
+    res = run(["bash", str(ROOT / "run_all.sh"), *map(str, flags)], timeout=30, check=False)
     assert (res.returncode, res.stdout) == (2, "")
-    assert res.stderr == "run_all: unknown option --fast (see --help)\n"
+    assert res.stderr == f"run_all: {why}\n"
