@@ -240,8 +240,10 @@ def test_bad_input_fails_before_training_and_names_the_cause(script, tmp_path, r
         cases.append(
             (["--batch-size", 6401], 1, "error: 12800 images: too few for --batch-size 6401")
         )
-        # once, an empty folder counted as the current one, and the saves went to /epoch_N.pt
-        cases.append((["--ckpt-dir", ""], 2, "argument --ckpt-dir: invalid nonempty value: ''"))
+        # once, an empty folder counted as the current one, and the saves went to /epoch_N.pt;
+        # with a missing --data, a script that takes the empty folder stops before any save
+        empty_ckpt = ["--ckpt-dir", "", "--data", missing]
+        cases.append((empty_ckpt, 2, "argument --ckpt-dir: invalid nonempty value: ''"))
     else:
         cases.append((["--batch-size", 13000], 1, "error: 12800 images, too few for one batch"))
         cases.append((["--arch", "googlenet"], 2, "argument --arch: invalid choice: 'googlenet'"))
