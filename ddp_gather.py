@@ -91,6 +91,8 @@ def main(local_rank, args):
         text = json.dumps(results, default=torch.Tensor.tolist)
         Path(args.metrics_out).write_text(text)
     dist.destroy_process_group()
+    # done: a stop now would land in Python's exit hooks, and print a traceback
+    ignore_stops()
 
 
 # --- launching: copy this section whole; the lines marked optional may go ---
@@ -126,12 +128,16 @@ def launch(main, args):
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)
+    # every rank is done: a stop now would land in Python's exit hooks
+    ignore_stops()
 
 
 def terminate_ranks(signum, frame):
     """Stop every rank (SIGTERM), then exit 130 as they do."""
     for process in mp.active_children():
         process.terminate()
+        # a rank stopped (SIGSTOP) acts on SIGTERM only once it runs again
+        os.kill(process.pid, signal.SIGCONT)
     exit_quietly(signum, frame)
 
 
@@ -147,10 +153,14 @@ def stop_after_launcher():
 def exit_quietly(signum, frame):
     """Ctrl-C or SIGTERM: exit 130, the shell's code for Ctrl-C, and ignore both
     from now on, so that a second Ctrl-C cannot cut the clean-up short."""
-    for sig in signal.SIGINT, signal.SIGTERM:
-        signal.signal(sig, lambda signum, frame: None)
+    ignore_stops()
     # SystemExit: unlike KeyboardInterrupt, it ends Python without a traceback
     sys.exit(130)
+
+
+def ignore_stops():
+    for sig in signal.SIGINT, signal.SIGTERM:
+        signal.signal(sig, lambda signum, frame: None)
 
 
 # --- end of launching ---

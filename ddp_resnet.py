@@ -267,8 +267,7 @@ def run_training_process_on_given_gpu(local_rank, args):
         keep = args.max_steps * args.batch_size * dist.get_world_size()
         train_set = Subset(train_set, torch.randperm(len(train_set))[:keep].tolist())
     loader = prepare_dataloader(train_set, device, args)
-    steps = len(loader)
-    if steps == 0:
+    if len(loader) == 0:
         fail(f"{len(train_set)} images: too few for --batch-size {args.batch_size}")
     first_epoch = decide_first_epoch(device, args)
     model = build_model(args, num_classes).to(device)
@@ -278,7 +277,7 @@ def run_training_process_on_given_gpu(local_rank, args):
     model = DDP(model)
     params = model.parameters()
     optimizer = torch.optim.SGD(params, lr=args.lr, momentum=0.9, weight_decay=1e-4)
-    print_start(model, steps, len(train_set), first_epoch, device, args)
+    print_start(model, len(loader), len(train_set), first_epoch, device, args)
     # fixed: the tutorial's range(1, 30) ran 29 epochs
     epochs = range(first_epoch, args.epochs + 1)
     # what report() gets if no epoch runs (--resume after the last one)
@@ -302,10 +301,12 @@ def run_training_process_on_given_gpu(local_rank, args):
     results = dict(
         epochs_run=len(epochs), final_loss=loss, images_per_sec=rate, checkpoint=path
     )
-    report(results | scores, steps, device, args)
+    report(results | scores, len(loader), device, args)
     # free DDP before the group, or gloo may hang at exit (seen on torch 2.11)
     del model
     dist.destroy_process_group()
+    # done: a stop now would land in Python's exit hooks, and print a traceback
+    ignore_stops()
 
 
 def decide_first_epoch(device, args):
@@ -444,12 +445,16 @@ def launch(main, args):
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)
+    # every rank is done: a stop now would land in Python's exit hooks
+    ignore_stops()
 
 
 def terminate_ranks(signum, frame):
     """Stop every rank (SIGTERM), then exit 130 as they do."""
     for process in mp.active_children():
         process.terminate()
+        # a rank stopped (SIGSTOP) acts on SIGTERM only once it runs again
+        os.kill(process.pid, signal.SIGCONT)
     exit_quietly(signum, frame)
 
 
@@ -465,10 +470,14 @@ def stop_after_launcher():
 def exit_quietly(signum, frame):
     """Ctrl-C or SIGTERM: exit 130, the shell's code for Ctrl-C, and ignore both
     from now on, so that a second Ctrl-C cannot cut the clean-up short."""
-    for sig in signal.SIGINT, signal.SIGTERM:
-        signal.signal(sig, lambda signum, frame: None)
+    ignore_stops()
     # SystemExit: unlike KeyboardInterrupt, it ends Python without a traceback
     sys.exit(130)
+
+
+def ignore_stops():
+    for sig in signal.SIGINT, signal.SIGTERM:
+        signal.signal(sig, lambda signum, frame: None)
 
 
 # --- end of launching ---

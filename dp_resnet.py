@@ -293,10 +293,14 @@ def exit_after_parent():
 def exit_quietly(signum, frame):
     """Ctrl-C or SIGTERM: exit 130, the shell's code for Ctrl-C, and ignore both
     from now on, so that a second Ctrl-C cannot cut the clean-up short."""
-    for sig in signal.SIGINT, signal.SIGTERM:
-        signal.signal(sig, lambda signum, frame: None)
+    ignore_stops()
     # SystemExit: unlike KeyboardInterrupt, it ends Python without a traceback
     sys.exit(130)
+
+
+def ignore_stops():
+    for sig in signal.SIGINT, signal.SIGTERM:
+        signal.signal(sig, lambda signum, frame: None)
 
 
 def positive(text):
@@ -367,3 +371,5 @@ if __name__ == "__main__":
     gpus = 0 if args.cpu else torch.cuda.device_count()
     # epoch 1, or with --resume the one after the newest checkpoint
     run_training(gpus, train_set, num_classes, newest + 1, args)
+    # done: a stop now would land in Python's exit hooks, and print a traceback
+    ignore_stops()

@@ -491,6 +491,18 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         [('glob("epoch_[1-9]*.pt")', 'glob("epoch_*.pt")'), ("n.isdecimal()", "n.isdigit()")],
         "tests/test_resnet.py::test_lr_on_resume_is_the_flags",
     ),
+    (  # the launcher's exit waits for the stopped rank without end
+        "fm: a stopped rank never gets the launcher's SIGTERM",
+        "ddp_fashionmnist.py",
+        [("        os.kill(process.pid, signal.SIGCONT)\n", "")],
+        "tests/test_faults.py::test_a_stop_reaches_a_stopped_rank",
+    ),
+    (  # Exception ignored in atexit callback ... SystemExit: 130
+        "dp: a stop after the run lands in the exit hooks",
+        "dp_resnet.py",
+        [("and print a traceback\n    ignore_stops()\n", "and print a traceback\n")],
+        "tests/test_faults.py::test_ctrl_c_as_the_run_ends_is_quiet",
+    ),
 ]
 if __name__ == "__main__":  # tests/test_size.py imports R
     only = sys.argv[1:]

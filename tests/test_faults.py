@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from conftest import (
+    DP,
     ONE_THREAD,
     RESNET,
     TINY,
@@ -170,6 +171,43 @@ def test_hung_rank_ends_the_job_after_the_timeout():
     took = time.monotonic() - stopped
     assert res.returncode != 0 and took < 5 + 20, took
     assert "timed out" in res.stderr.lower()
+
+
+def test_a_stop_reaches_a_stopped_rank():
+    """A rank stopped (SIGSTOP), then SIGTERM to the launcher: every rank ends, exit 130, well
+    within --timeout. Once, the stopped rank could not act on the launcher's SIGTERM, and the
+    launcher's exit waited for it without end."""
+    proc = start(python("ddp_fashionmnist.py", "--nprocs", 2, *FM, "--epochs", 100))
+    victim = wait_for_ranks(proc, 2, under_torchrun=False)[1]
+    for _ in lines(proc, 120, until=lambda line: line.startswith("start |")):
+        pass  # the group is up
+    time.sleep(1)  # into training
+    os.kill(victim, signal.SIGSTOP)
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)  # the launcher alone, as `kill PID` does
+    res = finish(proc, timeout=8, check=False)  # --timeout is 10
+    assert res.returncode == 130 and "Traceback" not in res.stderr, res.stderr[-3000:]
+
+
+def test_ctrl_c_as_the_run_ends_is_quiet(tmp_path):
+    """Ctrl-C just after the done line, while Python runs its exit hooks: once, the handler's
+    SystemExit(130) landed in one of them, and Python printed `Exception ignored in atexit
+    callback ... SystemExit: 130` (dp_resnet.py, 5 ms after `done`: 5 runs of 5). Each process
+    now ends its work ignoring stops: exit 0 or 130, nothing printed. (The DDP scripts end
+    their ranks and launcher with the same ignore_stops(); their window is narrower.)"""
+    for delay in (0.005, 0.05):
+        ckpt = tmp_path / str(delay)
+        proc = start(python("dp_resnet.py", *DP, "--epochs", 1, "--ckpt-dir", ckpt))
+        for _ in lines(proc, TIMEOUT, until=lambda line: line.startswith("done |")):
+            pass
+        time.sleep(delay)
+        try:
+            os.killpg(proc.pid, signal.SIGINT)  # as a terminal does
+        except ProcessLookupError:  # it had ended
+            pass
+        res = finish(proc, TIMEOUT, check=False)
+        # -SIGINT: Python's very last moment, its handlers gone (the shell's 130 as well)
+        assert res.returncode in (0, 130, -signal.SIGINT) and res.stderr == "", (delay, res)
 
 
 def image_folder(root, per_class: int, broken: int = -1):

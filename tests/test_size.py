@@ -129,7 +129,7 @@ def section(text: str, start: str, end: str) -> str:
 
 
 def test_the_repeated_helpers_and_launching_are_the_same_in_every_script():
-    """Each file runs alone, so ddp_setup, print0, exit_quietly, positive, the loader
+    """Each file runs alone, so ddp_setup, print0, exit_quietly, ignore_stops, positive, the loader
     workers' helpers and the launching section are copies: a fix proven through one script (the
     free port, the thread split, the backend) holds in all of them."""
     texts = {s: (ROOT / s).read_text() for s in SCRIPTS}
@@ -139,6 +139,7 @@ def test_the_repeated_helpers_and_launching_are_the_same_in_every_script():
         ("# --- launching", "# --- end of launching ---", DDP),
         ("def positive", "\n\n\n", SCRIPTS),
         ("def exit_quietly", "\n\n\n", SCRIPTS),
+        ("def ignore_stops", "\n\n\n", SCRIPTS),
         ("# Ctrl-C while torch imports", "import torch\n", DDP),
         ("def start_forkserver", "\n\n\n", ["dp_resnet.py", "ddp_resnet.py"]),
         ("def start_workers", "\n\n\n", ["dp_resnet.py", "ddp_resnet.py"]),
