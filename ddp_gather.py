@@ -111,7 +111,7 @@ def launch(main, args):
         s.bind(("127.0.0.1", 0))
         os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     os.environ["MASTER_ADDR"] = "127.0.0.1"
-    # this run's own: an exported WORLD_SIZE is for torchrun's nodes
+    # --nprocs ranks, even where the shell exports another WORLD_SIZE
     os.environ["WORLD_SIZE"] = str(args.nprocs)
     # Ctrl-C, or a SIGTERM sent to this process alone (`kill PID`): stop the ranks
     for sig in signal.SIGINT, signal.SIGTERM:
@@ -159,6 +159,8 @@ def exit_quietly(signum, frame):
 
 
 def ignore_stops():
+    """Ctrl-C and SIGTERM do nothing from now on. A function, not SIG_IGN: with a
+    signal pending, Python would raise "Signal 15 ignored due to race condition"."""
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, lambda signum, frame: None)
 

@@ -208,6 +208,7 @@ def evaluate(model, val_set, device, args):
 
 def newest_epoch(args):
     """N of the newest epoch_N.pt in --ckpt-dir; 0 if there is none."""
+    # epoch_1.pt, epoch_2.pt, ...: no other name is one of ours
     files = Path(args.ckpt_dir).glob("epoch_[1-9]*.pt")
     names = [file.stem.removeprefix("epoch_") for file in files]
     return max([int(n) for n in names if n.isdecimal()], default=0)
@@ -428,7 +429,7 @@ def launch(main, args):
         s.bind(("127.0.0.1", 0))
         os.environ["MASTER_PORT"] = str(s.getsockname()[1])
     os.environ["MASTER_ADDR"] = "127.0.0.1"
-    # this run's own: an exported WORLD_SIZE is for torchrun's nodes
+    # --nprocs ranks, even where the shell exports another WORLD_SIZE
     os.environ["WORLD_SIZE"] = str(args.nprocs)
     # Ctrl-C, or a SIGTERM sent to this process alone (`kill PID`): stop the ranks
     for sig in signal.SIGINT, signal.SIGTERM:
@@ -476,6 +477,8 @@ def exit_quietly(signum, frame):
 
 
 def ignore_stops():
+    """Ctrl-C and SIGTERM do nothing from now on. A function, not SIG_IGN: with a
+    signal pending, Python would raise "Signal 15 ignored due to race condition"."""
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, lambda signum, frame: None)
 

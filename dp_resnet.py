@@ -124,6 +124,7 @@ def train(model, dataloader, optimizer, device, epoch, args):
 
 def newest_epoch(args):
     """N of the newest epoch_N.pt in --ckpt-dir; 0 if there is none."""
+    # epoch_1.pt, epoch_2.pt, ...: no other name is one of ours
     files = Path(args.ckpt_dir).glob("epoch_[1-9]*.pt")
     names = [file.stem.removeprefix("epoch_") for file in files]
     return max([int(n) for n in names if n.isdecimal()], default=0)
@@ -299,6 +300,8 @@ def exit_quietly(signum, frame):
 
 
 def ignore_stops():
+    """Ctrl-C and SIGTERM do nothing from now on. A function, not SIG_IGN: with a
+    signal pending, Python would raise "Signal 15 ignored due to race condition"."""
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, lambda signum, frame: None)
 
