@@ -141,28 +141,24 @@ def test_a_killed_training_process_leaves_no_loader_workers(how, tmp_path):
         assert not list(ckpt.glob("*.tmp"))
 
 
-def test_hung_rank_ends_the_job_after_the_timeout():
-    """A stopped rank never reaches the next collective: the other gives up after --timeout and
-    the job ends with that error. (The stopped rank is let go once the timeout has passed, so
-    that mp.spawn's SIGTERM reaches it at once rather than its SIGKILL 30 s later.)"""
-    proc = start(
-        python(
-            "ddp_fashionmnist.py",
-            "--nprocs",
-            2,
-            "--cpu",
-            "--synthetic",
-            "--timeout",
-            5,
-            "--epochs",
-            100,
-        )
-    )
+def stop_a_rank_in_training(timeout: int):
+    """A spawned 2-rank ddp_fashionmnist.py run, its rank 1 stopped (SIGSTOP) a second into
+    training; return the run and that rank."""
+    flags = ["--cpu", "--synthetic", "--timeout", timeout, "--epochs", 100]
+    proc = start(python("ddp_fashionmnist.py", "--nprocs", 2, *flags))
     victim = wait_for_ranks(proc, 2, under_torchrun=False)[1]
     for _ in lines(proc, 120, until=lambda line: line.startswith("start |")):
         pass  # the group is up
     time.sleep(1)  # into training
     os.kill(victim, signal.SIGSTOP)
+    return proc, victim
+
+
+def test_hung_rank_ends_the_job_after_the_timeout():
+    """A stopped rank never reaches the next collective: the other gives up after --timeout and
+    the job ends with that error. (The stopped rank is let go once the timeout has passed, so
+    that mp.spawn's SIGTERM reaches it at once rather than its SIGKILL 30 s later.)"""
+    proc, victim = stop_a_rank_in_training(timeout=5)
     stopped = time.monotonic()
     time.sleep(5 + 3)
     assert proc.poll() is None or proc.returncode != 0
@@ -177,12 +173,7 @@ def test_a_stop_reaches_a_stopped_rank():
     """A rank stopped (SIGSTOP), then SIGTERM to the launcher: every rank ends, exit 130, well
     within --timeout. Once, the stopped rank could not act on the launcher's SIGTERM, and the
     launcher's exit waited for it without end."""
-    proc = start(python("ddp_fashionmnist.py", "--nprocs", 2, *FM, "--epochs", 100))
-    victim = wait_for_ranks(proc, 2, under_torchrun=False)[1]
-    for _ in lines(proc, 120, until=lambda line: line.startswith("start |")):
-        pass  # the group is up
-    time.sleep(1)  # into training
-    os.kill(victim, signal.SIGSTOP)
+    proc, _ = stop_a_rank_in_training(timeout=10)
     time.sleep(1)
     proc.send_signal(signal.SIGTERM)  # the launcher alone, as `kill PID` does
     res = finish(proc, timeout=8, check=False)  # --timeout is 10
