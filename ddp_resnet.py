@@ -424,10 +424,13 @@ def launch(main, args):
     if not os.environ.get("OMP_NUM_THREADS"):
         threads = max(1, os.cpu_count() // args.nprocs)
         os.environ["OMP_NUM_THREADS"] = str(threads)
-    # fixed: a free port, not the tutorial's 12355 (binding port 0 picks one)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        os.environ["MASTER_PORT"] = str(s.getsockname()[1])
+    # fixed: a free port, not the tutorial's 12355. Binding port 0 picks one; it stays
+    # bound while the ranks run, so that no other program takes it before rank 0 does
+    # (rank 0 binds it too: both sockets allow it with SO_REUSEADDR)
+    port = socket.socket()
+    port.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    port.bind(("127.0.0.1", 0))
+    os.environ["MASTER_PORT"] = str(port.getsockname()[1])
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     # --nprocs ranks, even where the shell exports another WORLD_SIZE
     os.environ["WORLD_SIZE"] = str(args.nprocs)

@@ -33,11 +33,22 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         "ddp_gather.py",
         [
             (
-                'os.environ["MASTER_PORT"] = str(s.getsockname()[1])',
+                'os.environ["MASTER_PORT"] = str(port.getsockname()[1])',
                 'os.environ["MASTER_PORT"] = "12355"',
             )
         ],
         "tests/test_gather.py::test_all_gather_object_rank_order",
+    ),
+    (
+        "gather: the free port probed, not held",
+        "ddp_gather.py",
+        [
+            (
+                'os.environ["MASTER_PORT"] = str(port.getsockname()[1])\n',
+                'os.environ["MASTER_PORT"] = str(port.getsockname()[1])\n    port.close()\n',
+            )
+        ],
+        "tests/test_gather.py::test_no_other_program_takes_the_port_while_the_ranks_meet",
     ),
     (  # the line above `import torch`, and the launcher's SIGTERM to each rank on Ctrl-C
         "gather: Ctrl-C while the ranks meet",

@@ -1,18 +1,22 @@
 """ddp_gather.py: every rank's objects and tensors, in rank order, both launch paths."""
 
 import shutil
+import time
 
 import pytest
 
 from conftest import (
     ROOT,
+    finish,
     finish_all,
+    kill_all,
     last_line,
     metrics,
     occupy,
     python,
     run,
     start,
+    tagged,
     torchrun,
 )
 
@@ -49,6 +53,40 @@ def test_all_gather_object_rank_order(tmp_path):
         assert res.stdout.splitlines()[-1] == f"done | gathered {world} objects | backend gloo"
     # nothing a user would have to read past (torchrun itself warns that it set OMP_NUM_THREADS)
     assert results[3].stderr == ""
+
+
+def the_ranks_master_port(proc, timeout: float) -> int:
+    """MASTER_PORT in the environment a spawned rank started with, as soon as one has."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for pid in tagged(proc.mark):
+            try:
+                env = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+            except OSError:  # it just ended
+                continue
+            for var in env:
+                if var.startswith(b"MASTER_PORT="):
+                    return int(var.split(b"=")[1])
+        time.sleep(0.01)
+    pytest.fail(f"no rank with MASTER_PORT within {timeout}s")
+
+
+def test_no_other_program_takes_the_port_while_the_ranks_meet():
+    """Another program binds the launcher's MASTER_PORT as soon as the ranks are started, while
+    rank 0 is still importing torch. The launcher keeps the port bound until the run ends; once
+    it only probed it, and a parallel test suite's process took it in that window: rank 0's
+    EADDRINUSE ended the run."""
+    proc = start(python("ddp_gather.py", "--cpu"))
+    taken = None
+    try:
+        taken = occupy(the_ranks_master_port(proc, 60))
+        res = finish(proc, 120, check=False)
+    finally:
+        kill_all(proc)
+        if taken:
+            taken.close()
+    assert taken is None, "another program took the port before rank 0 had it"
+    assert res.returncode == 0, res.stderr
 
 
 @pytest.mark.parametrize(
