@@ -37,8 +37,6 @@ from torchvision import datasets
 
 def ddp_setup(local_rank, args):
     """Join the process group, then take over Ctrl-C; return this rank's device."""
-    # optional: a watch that ends this rank if its launcher dies, even in the rendezvous
-    threading.Thread(target=stop_after_launcher, daemon=True).start()
     cuda = torch.cuda.is_available() and not args.cpu
     device = torch.device(f"cuda:{local_rank}" if cuda else "cpu")
     if cuda:
@@ -162,8 +160,6 @@ def test(model, test_set, device, batch_size):
     return dict(test_accuracy=correct / seen, test_correct=correct, test_samples=seen)
 
 
-# optional: @record puts this rank's traceback in torchrun's failure report
-@record
 def main(local_rank, args):
     device = ddp_setup(local_rank, args)
     # seed 0: the same synthetic data in every rank, the same weights every run
@@ -206,8 +202,6 @@ def main(local_rank, args):
         )
         Path(args.metrics_out).write_text(json.dumps(metrics, indent=1))
     dist.destroy_process_group()
-    # done: a stop now would land in Python's exit hooks, and print a traceback
-    ignore_stops()
 
 
 # --- launching: copy this section whole; the lines marked optional may go ---
@@ -216,25 +210,25 @@ def launch(main, args):
     if os.environ.get("RANK"):
         # torchrun (or a pod that sets RANK) started this process as one rank
         local_rank = int(os.environ.get("LOCAL_RANK") or 0)
-        return main(local_rank, args)
+        return run_rank(local_rank, main, args)
     # optional: each rank a share of the cores, not all (the ranks inherit this)
     if not os.environ.get("OMP_NUM_THREADS"):
         threads = max(1, os.cpu_count() // args.nprocs)
         os.environ["OMP_NUM_THREADS"] = str(threads)
-    # fixed: a free port, not the tutorial's 12355. Binding port 0 picks one; it stays
-    # bound while the ranks run, so that no other program takes it before rank 0 does
-    # (rank 0 binds it too: both sockets allow it with SO_REUSEADDR)
-    port = socket.socket()
-    port.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    port.bind(("127.0.0.1", 0))
-    os.environ["MASTER_PORT"] = str(port.getsockname()[1])
+    # fixed: a free port, not the tutorial's 12355 (binding port 0 picks one), held
+    # until the run ends so that no other program takes it; rank 0 binds it too
+    # (SO_REUSEADDR, here and in torch's store)
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
     os.environ["MASTER_ADDR"] = "127.0.0.1"
     # --nprocs ranks, even where the shell exports another WORLD_SIZE
     os.environ["WORLD_SIZE"] = str(args.nprocs)
     # Ctrl-C, or a SIGTERM sent to this process alone (`kill PID`): stop the ranks
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, terminate_ranks)
-    processes = mp.spawn(main, (args,), nprocs=args.nprocs, join=False)
+    processes = mp.spawn(run_rank, (main, args), nprocs=args.nprocs, join=False)
     # join() is True once every rank has ended; after one fails, the others get 5 s
     # (join=True gives none), so that rank 0 can finish printing why
     try:
@@ -247,6 +241,17 @@ def launch(main, args):
             raise
         sys.exit(e.exit_code)
     # every rank is done: a stop now would land in Python's exit hooks
+    ignore_stops()
+
+
+# optional: @record puts a rank's traceback in torchrun's failure report
+@record
+def run_rank(local_rank, main, args):
+    """One rank: main(local_rank, args), ended with its launcher, quiet once done."""
+    # optional: a watch that ends this rank if its launcher dies, even in the rendezvous
+    threading.Thread(target=stop_after_launcher, daemon=True).start()
+    main(local_rank, args)
+    # done: a stop now would land in Python's exit hooks, and print a traceback
     ignore_stops()
 
 

@@ -33,7 +33,7 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         "ddp_gather.py",
         [
             (
-                'os.environ["MASTER_PORT"] = str(port.getsockname()[1])',
+                'os.environ["MASTER_PORT"] = str(sock.getsockname()[1])',
                 'os.environ["MASTER_PORT"] = "12355"',
             )
         ],
@@ -44,8 +44,8 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         "ddp_gather.py",
         [
             (
-                'os.environ["MASTER_PORT"] = str(port.getsockname()[1])\n',
-                'os.environ["MASTER_PORT"] = str(port.getsockname()[1])\n    port.close()\n',
+                'os.environ["MASTER_PORT"] = str(sock.getsockname()[1])\n',
+                'os.environ["MASTER_PORT"] = str(sock.getsockname()[1])\n    sock.close()\n',
             )
         ],
         "tests/test_gather.py::test_no_other_program_takes_the_port_while_the_ranks_meet",
