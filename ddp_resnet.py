@@ -130,6 +130,7 @@ def prepare_dataloader(dataset, device, args):
         # fixed: per rank; the tutorial's 4 * GPUs in each rank made 4 * GPUs² in all
         num_workers=args.workers,
         multiprocessing_context="forkserver" if args.workers else None,
+        # each worker quiet on Ctrl-C, and ended with this rank (see worker_init)
         worker_init_fn=worker_init,
         pin_memory=device.type == "cuda",
         # BatchNorm cannot train on a last batch of 1 image
@@ -146,7 +147,8 @@ def train(model, dataloader, optimizer, device, epoch, args):
     torch.manual_seed(args.seed + 1000 * epoch + dist.get_rank())
     global_batch = args.batch_size * dist.get_world_size()
     steps = len(dataloader)
-    # summed on the device: an .item() at every step would wait for the GPU
+    # the epoch's loss for the all_reduce below, summed on the device: an .item()
+    # at every step would wait for the GPU
     loss_sum = torch.zeros((), device=device)
     began = last_print = time.monotonic()
     # start_workers: iter(dataloader), with Ctrl-C held while the workers start
@@ -157,7 +159,8 @@ def train(model, dataloader, optimizer, device, epoch, args):
         optimizer.zero_grad()
         # --amp: bf16, which needs no GradScaler
         with torch.autocast(device.type, torch.bfloat16, enabled=args.amp):
-            loss = torch.nn.functional.cross_entropy(model(images), labels)
+            outputs = model(images)
+            loss = torch.nn.functional.cross_entropy(outputs, labels)
         # DDP averages every rank's gradients here
         loss.backward()
         optimizer.step()
@@ -174,8 +177,9 @@ def train(model, dataloader, optimizer, device, epoch, args):
             last_print = now
     # fixed: the tutorial prints rank 0's loss alone; this is every rank's mean
     dist.all_reduce(loss_sum)
-    loss = loss_sum.item() / steps / dist.get_world_size()
-    return loss, steps * global_batch / (time.monotonic() - began)
+    mean_loss = loss_sum.item() / steps / dist.get_world_size()
+    rate = steps * global_batch / (time.monotonic() - began)
+    return mean_loss, rate
 
 
 @torch.no_grad()
@@ -184,8 +188,8 @@ def evaluate(model, val_set, device, args):
     # this rank's share, every world_size-th image: unlike a DistributedSampler,
     # it pads nothing, so each image is counted once
     share = Subset(val_set, range(dist.get_rank(), len(val_set), dist.get_world_size()))
-    # each rank's last batch changed its own BatchNorm statistics: take rank 0's,
-    # so that every rank scores the same model
+    # DDP's forward copies rank 0's BatchNorm statistics to every rank; scoring with
+    # model.module skips it, so copy them here: every rank scores the same model
     for buffer in model.module.buffers():
         dist.broadcast(buffer, src=0)
     correct = seen = 0
@@ -249,7 +253,7 @@ def load_model(epoch, model, optimizer, device, args):
     ckpt = torch.load(file, map_location=device, weights_only=True)
     model.module.load_state_dict(ckpt["model_state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_state_dict"])
-    # the load brought back the saved lr: set --lr again (a --resume may pass another)
+    # --lr, not the lr saved in the checkpoint (a --resume may pass another)
     for group in optimizer.param_groups:
         group["lr"] = args.lr
 
@@ -281,8 +285,8 @@ def run_training_process_on_given_gpu(local_rank, args):
     loss = rate = path = None
     scores = {}
     for epoch in epochs:
-        # the tutorial's lesson: every rank starts each epoch from the checkpoint
-        # rank 0 saved last (on --resume, from the newest in --ckpt-dir)
+        # every rank loads the checkpoint rank 0 saved last: the tutorial's lesson, and
+        # how --resume starts (DDP keeps the ranks' weights equal anyway)
         if epoch > 1:
             load_model(epoch - 1, model, optimizer, device, args)
         loss, rate = train(model, loader, optimizer, device, epoch, args)
@@ -305,8 +309,8 @@ def run_training_process_on_given_gpu(local_rank, args):
 
 
 def decide_first_epoch(device, args):
-    """Epoch 1, or with --resume the one after the newest checkpoint. Rank 0 decides
-    for all: another node may see a stale copy of a shared --ckpt-dir."""
+    """Epoch 1, or with --resume the one after the newest checkpoint. Rank 0's answer
+    counts for every rank: another node may see a stale copy of a shared --ckpt-dir."""
     found = torch.tensor(newest_epoch(args), device=device)
     dist.broadcast(found, src=0)
     newest = found.item()

@@ -104,7 +104,8 @@ def train(model, dataloader, optimizer, device, epoch, args):
         optimizer.zero_grad()
         # --amp: bf16 autocast (in DataParallel's threads, Bf16Autocast's)
         with torch.autocast(device.type, torch.bfloat16, enabled=args.amp):
-            loss = torch.nn.functional.cross_entropy(model(images), labels)
+            outputs = model(images)
+            loss = torch.nn.functional.cross_entropy(outputs, labels)
         loss.backward()
         optimizer.step()
         loss_sum += loss.detach()
