@@ -51,11 +51,10 @@ def ddp_setup(local_rank, args):
         world_size=int(os.environ["WORLD_SIZE"]),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL binds the group to this rank's GPU; gloo takes no device
+        # NCCL: barrier() then runs on this rank's GPU; gloo takes no device
         device_id=device if cuda else None,
     )
-    # from here on, Ctrl-C and SIGTERM exit 130 quietly; not before: a handler
-    # waits for init_process_group to return, the default ends it at once
+    # from here on, Ctrl-C and SIGTERM exit 130 quietly (see exit_quietly)
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, exit_quietly)
     return device
