@@ -74,7 +74,8 @@ def print0(*args, **kwargs):
 
 
 def fail(message):
-    """Called by every rank: all exit 1, rank 0 saying why."""
+    """Call it where every rank decides alike (or the others wait): all exit 1, and
+    rank 0 says why."""
     print0(f"error: {message}", file=sys.stderr)
     dist.destroy_process_group()
     sys.exit(1)
@@ -97,8 +98,8 @@ def load_datasets(args):
         train_set = datasets.ImageFolder(args.data, transform=preprocess)
         classes = train_set.classes
     else:
-        # no --data: 256 random images (the same in every rank: seeded before this),
-        # each its own class, 50 copies of each: the model learns them, the loss falls
+        # no --data: 256 random images, each its own class, 50 times over: the model
+        # learns them, and the loss falls
         images = TensorDataset(torch.randn(256, 3, size, size), torch.arange(256))
         train_set = ConcatDataset([images] * 50)
         classes = list(range(256))
@@ -117,20 +118,14 @@ def build_model(args, num_classes):
 
 
 def prepare_dataloader(dataset, device, args):
-    if args.workers:
-        # workers from a forkserver, not forks of this rank: a fork can stall on
-        # gloo's or NCCL's threads
-        start_forkserver()
-    return DataLoader(
+    # a DataLoader whose workers are safe to stop (see WorkerLoader)
+    return WorkerLoader(
         dataset,
         args.batch_size,
         # each rank its own shuffled share of the training set
         sampler=DistributedSampler(dataset, seed=args.seed),
         # fixed: per rank; the tutorial's 4 * GPUs in each rank made 4 * GPUs² in all
         num_workers=args.workers,
-        multiprocessing_context="forkserver" if args.workers else None,
-        # each worker quiet on Ctrl-C, and ended with this rank (see worker_init)
-        worker_init_fn=worker_init,
         pin_memory=device.type == "cuda",
         # BatchNorm cannot train on a last batch of 1 image
         drop_last=True,
@@ -142,7 +137,7 @@ def train(model, dataloader, optimizer, device, epoch, args):
     # fixed: without set_epoch every epoch has the same order
     dataloader.sampler.set_epoch(epoch)
     # a seed per epoch and rank: if your model or data draws random numbers (dropout,
-    # random crops), a resumed run draws what an unbroken one did, bit for bit
+    # random crops), a resumed run draws the ones an unbroken run did
     torch.manual_seed(args.seed + 1000 * epoch + dist.get_rank())
     global_batch = args.batch_size * dist.get_world_size()
     steps = len(dataloader)
@@ -150,8 +145,7 @@ def train(model, dataloader, optimizer, device, epoch, args):
     # at every step would wait for the GPU
     loss_sum = torch.zeros((), device=device)
     began = last_print = time.monotonic()
-    # start_workers: iter(dataloader), with Ctrl-C held while the workers start
-    for step, (images, labels) in enumerate(start_workers(dataloader), start=1):
+    for step, (images, labels) in enumerate(dataloader, start=1):
         # non_blocking: the copy of a pinned batch overlaps the GPU's work
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
@@ -187,15 +181,14 @@ def evaluate(model, val_set, device, args):
     # this rank's share, every world_size-th image: unlike a DistributedSampler,
     # it pads nothing, so each image is counted once
     share = Subset(val_set, range(dist.get_rank(), len(val_set), dist.get_world_size()))
-    # DDP's forward copies rank 0's BatchNorm statistics to every rank; scoring with
-    # model.module skips it, so copy them here: every rank scores the same model
+    # scored with the bare model.module: DDP's forward would wait for every rank, and
+    # the ranks' numbers of batches differ. DDP's forward also copies rank 0's
+    # BatchNorm statistics to the others: done here, so every rank scores one model
     for buffer in model.module.buffers():
         dist.broadcast(buffer, src=0)
     correct = seen = 0
     model.eval()
     for images, labels in DataLoader(share, args.batch_size):
-        # the bare model: the ranks may have different numbers of batches, and
-        # DDP's forward would wait for every rank
         logits = model.module(images.to(device))
         correct += (logits.argmax(1) == labels.to(device)).sum().item()
         seen += len(labels)
@@ -209,7 +202,7 @@ def evaluate(model, val_set, device, args):
 
 def newest_epoch(args):
     """N of the newest epoch_N.pt in --ckpt-dir; 0 if there is none."""
-    # epoch_1.pt, epoch_2.pt, ...: no other name is one of ours
+    # epoch_1.pt, epoch_2.pt, ...: a name like epoch_best.pt is not one of ours
     files = Path(args.ckpt_dir).glob("epoch_[1-9]*.pt")
     names = [file.stem.removeprefix("epoch_") for file in files]
     return max([int(n) for n in names if n.isdecimal()], default=0)
@@ -252,7 +245,7 @@ def load_model(epoch, model, optimizer, device, args):
     ckpt = torch.load(file, map_location=device, weights_only=True)
     model.module.load_state_dict(ckpt["model_state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_state_dict"])
-    # --lr, not the lr saved in the checkpoint (a --resume may pass another)
+    # --lr wins over the checkpoint's lr (a --resume may pass another)
     for group in optimizer.param_groups:
         group["lr"] = args.lr
 
@@ -263,7 +256,7 @@ def run_training_process_on_given_gpu(local_rank, args):
     torch.manual_seed(args.seed)
     train_set, val_set, num_classes = load_datasets(args)
     if args.max_steps:
-        # --max-steps: shorter epochs, each over the same random part of the data
+        # --max-steps N: N global batches an epoch, from one random part of the data
         keep = args.max_steps * args.batch_size * dist.get_world_size()
         train_set = Subset(train_set, torch.randperm(len(train_set))[:keep].tolist())
     loader = prepare_dataloader(train_set, device, args)
@@ -280,12 +273,12 @@ def run_training_process_on_given_gpu(local_rank, args):
     print_start(model, len(loader), len(train_set), first_epoch, device, args)
     # fixed: the tutorial's range(1, 30) ran 29 epochs
     epochs = range(first_epoch, args.epochs + 1)
-    # what report() gets if no epoch runs (--resume after the last one)
+    # the results if no epoch runs (--resume after the last epoch)
     loss = rate = path = None
     scores = {}
     for epoch in epochs:
-        # every rank loads the checkpoint rank 0 saved last: the tutorial's lesson, and
-        # how --resume starts (DDP keeps the ranks' weights equal anyway)
+        # the tutorial's lesson: every rank loads the checkpoint that rank 0 saved last
+        # (after --resume, the newest in --ckpt-dir)
         if epoch > 1:
             load_model(epoch - 1, model, optimizer, device, args)
         loss, rate = train(model, loader, optimizer, device, epoch, args)
@@ -302,14 +295,14 @@ def run_training_process_on_given_gpu(local_rank, args):
         epochs_run=len(epochs), final_loss=loss, images_per_sec=rate, checkpoint=path
     )
     report(results | scores, len(loader), device, args)
-    # free DDP before the group, or gloo may hang at exit (seen on torch 2.11)
+    # a workaround: free DDP before the group, or gloo may hang at exit (torch 2.11)
     del model
     dist.destroy_process_group()
 
 
 def decide_first_epoch(device, args):
-    """Epoch 1, or with --resume the one after the newest checkpoint. Rank 0's answer
-    counts for every rank: another node may see a stale copy of a shared --ckpt-dir."""
+    """Epoch 1, or with --resume the one after the newest checkpoint, as rank 0 sees
+    it: every rank starts from the same epoch."""
     found = torch.tensor(newest_epoch(args), device=device)
     dist.broadcast(found, src=0)
     newest = found.item()
@@ -356,7 +349,47 @@ def report(results, steps, device, args):
         Path(args.metrics_out).write_text(json.dumps(metrics, indent=1))
 
 
-# --- loader workers (--workers): prepare_dataloader and train need this section ---
+# --- loader workers (--workers): prepare_dataloader needs this section ---
+class WorkerLoader(DataLoader):
+    """A DataLoader whose workers come from a forkserver, start with Ctrl-C held,
+    ignore Ctrl-C, and end with this process."""
+
+    def __init__(self, *args, num_workers, **kwargs):
+        if num_workers:
+            # not forks of this process: a fork of a process with threads can stall
+            start_forkserver()
+        super().__init__(
+            *args,
+            num_workers=num_workers,
+            multiprocessing_context="forkserver" if num_workers else None,
+            worker_init_fn=worker_init,
+            **kwargs,
+        )
+
+    def __iter__(self):
+        """iter() starts this epoch's workers; Ctrl-C and SIGTERM are held until it
+        returns: a stop midway left a half-built loader and its workers' tracebacks."""
+        held = []
+        for sig in signal.SIGINT, signal.SIGTERM:
+            signal.signal(sig, lambda signum, frame: held.append(signum))
+        try:
+            batches = super().__iter__()
+        except Exception:
+            # a Ctrl-C ends a loading forkserver too, and so this start: the stop counts
+            if not held:
+                raise
+            batches = None
+        finally:
+            for sig in signal.SIGINT, signal.SIGTERM:
+                signal.signal(sig, exit_quietly)
+        if not held:
+            return batches
+        # a stop came: end the workers first (del), then exit 130 (exit_quietly);
+        # Python's exit alone removed their queues while a worker still opened them
+        del batches
+        exit_quietly(held[0], None)
+
+
 def start_forkserver():
     """Start the forkserver that forks the loader workers (it imports for seconds)."""
     # this script first: its SIGINT line then covers the forkserver's `import torch`
@@ -366,30 +399,6 @@ def start_forkserver():
     os.chdir(Path(__file__).parent)
     forkserver.ensure_running()
     os.chdir(cwd)
-
-
-def start_workers(dataloader):
-    """iter(dataloader), which starts its workers, with Ctrl-C and SIGTERM held until
-    it returns: a stop midway left a half-built loader and its workers' tracebacks."""
-    held = []
-    for sig in signal.SIGINT, signal.SIGTERM:
-        signal.signal(sig, lambda signum, frame: held.append(signum))
-    try:
-        batches = iter(dataloader)
-    except Exception:
-        # a Ctrl-C ends a loading forkserver too, and so this start: the stop counts
-        if not held:
-            raise
-        batches = None
-    finally:
-        for sig in signal.SIGINT, signal.SIGTERM:
-            signal.signal(sig, exit_quietly)
-    if not held:
-        return batches
-    # a stop came: end the workers first (del), then exit 130 (exit_quietly);
-    # Python's exit alone removed their queues while a worker still opened them
-    del batches
-    exit_quietly(held[0], None)
 
 
 def worker_init(worker_id):

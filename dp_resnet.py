@@ -60,18 +60,14 @@ def build_model(args, num_classes):
 
 
 def prepare_dataloader(dataset, gpus, args):
-    if args.workers:
-        # workers from a forkserver, not forks: a fork can lose a Ctrl-C
-        start_forkserver()
-    return DataLoader(
+    # a DataLoader whose workers are safe to stop (see WorkerLoader)
+    return WorkerLoader(
         dataset,
         # the global batch: DataParallel splits it between the GPUs
         args.batch_size,
         # fixed: the tutorial's shuffle=False gave every epoch one order
         shuffle=True,
         num_workers=args.workers,
-        multiprocessing_context="forkserver" if args.workers else None,
-        worker_init_fn=worker_init,
         pin_memory=gpus > 0,
         # BatchNorm cannot train on a last batch of 1 image
         drop_last=True,
@@ -97,8 +93,7 @@ def train(model, dataloader, optimizer, device, epoch, args):
     # summed on the device: an .item() at every step would wait for the GPU
     loss_sum = torch.zeros((), device=device)
     began = last_print = time.monotonic()
-    # start_workers: iter(dataloader), with Ctrl-C held while the workers start
-    for step, (images, labels) in enumerate(start_workers(dataloader), start=1):
+    for step, (images, labels) in enumerate(dataloader, start=1):
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
         optimizer.zero_grad()
@@ -237,7 +232,47 @@ def report(results, steps, gpus, device, args):
         Path(args.metrics_out).write_text(json.dumps(metrics, indent=1))
 
 
-# --- loader workers (--workers): prepare_dataloader and train need this section ---
+# --- loader workers (--workers): prepare_dataloader needs this section ---
+class WorkerLoader(DataLoader):
+    """A DataLoader whose workers come from a forkserver, start with Ctrl-C held,
+    ignore Ctrl-C, and end with this process."""
+
+    def __init__(self, *args, num_workers, **kwargs):
+        if num_workers:
+            # not forks of this process: a fork of a process with threads can stall
+            start_forkserver()
+        super().__init__(
+            *args,
+            num_workers=num_workers,
+            multiprocessing_context="forkserver" if num_workers else None,
+            worker_init_fn=worker_init,
+            **kwargs,
+        )
+
+    def __iter__(self):
+        """iter() starts this epoch's workers; Ctrl-C and SIGTERM are held until it
+        returns: a stop midway left a half-built loader and its workers' tracebacks."""
+        held = []
+        for sig in signal.SIGINT, signal.SIGTERM:
+            signal.signal(sig, lambda signum, frame: held.append(signum))
+        try:
+            batches = super().__iter__()
+        except Exception:
+            # a Ctrl-C ends a loading forkserver too, and so this start: the stop counts
+            if not held:
+                raise
+            batches = None
+        finally:
+            for sig in signal.SIGINT, signal.SIGTERM:
+                signal.signal(sig, exit_quietly)
+        if not held:
+            return batches
+        # a stop came: end the workers first (del), then exit 130 (exit_quietly);
+        # Python's exit alone removed their queues while a worker still opened them
+        del batches
+        exit_quietly(held[0], None)
+
+
 def start_forkserver():
     """Start the forkserver that forks the loader workers (it imports for seconds)."""
     # this script first: its SIGINT line then covers the forkserver's `import torch`
@@ -247,30 +282,6 @@ def start_forkserver():
     os.chdir(Path(__file__).parent)
     forkserver.ensure_running()
     os.chdir(cwd)
-
-
-def start_workers(dataloader):
-    """iter(dataloader), which starts its workers, with Ctrl-C and SIGTERM held until
-    it returns: a stop midway left a half-built loader and its workers' tracebacks."""
-    held = []
-    for sig in signal.SIGINT, signal.SIGTERM:
-        signal.signal(sig, lambda signum, frame: held.append(signum))
-    try:
-        batches = iter(dataloader)
-    except Exception:
-        # a Ctrl-C ends a loading forkserver too, and so this start: the stop counts
-        if not held:
-            raise
-        batches = None
-    finally:
-        for sig in signal.SIGINT, signal.SIGTERM:
-            signal.signal(sig, exit_quietly)
-    if not held:
-        return batches
-    # a stop came: end the workers first (del), then exit 130 (exit_quietly);
-    # Python's exit alone removed their queues while a worker still opened them
-    del batches
-    exit_quietly(held[0], None)
 
 
 def worker_init(worker_id):

@@ -203,13 +203,13 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
     (
         "ddp: workers die on Ctrl-C",
         "ddp_resnet.py",
-        [("        worker_init_fn=worker_init,\n", "")],
+        [("            worker_init_fn=worker_init,\n", "")],
         "tests/test_resnet.py::test_loader_workers_come_from_a_forkserver_and_ignore_ctrl_c[ddp_resnet.py]",
     ),
     (
         "dp: workers die on Ctrl-C",
         "dp_resnet.py",
-        [("        worker_init_fn=worker_init,\n", "")],
+        [("            worker_init_fn=worker_init,\n", "")],
         "tests/test_resnet.py::test_loader_workers_come_from_a_forkserver_and_ignore_ctrl_c[dp_resnet.py]",
     ),
     (
@@ -292,7 +292,7 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
     (  # a stop inside iter(): a half-built loader's AttributeError, its workers' FileNotFoundError
         "ddp: a stop as the workers start is not held",
         "ddp_resnet.py",
-        [("enumerate(start_workers(dataloader), start=1)", "enumerate(dataloader, start=1)")],
+        [("    def __iter__(self):\n", "    def iter_held(self):\n")],
         "tests/test_faults.py::test_ctrl_c_as_the_loader_workers_start_is_quiet_and_leaves_nothing",
     ),
     (  # the epoch's last step breaks out of the loop, as --max-steps once did
@@ -325,7 +325,7 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
     (
         "dp: workers forked",
         "dp_resnet.py",
-        [('        multiprocessing_context="forkserver" if args.workers else None,\n', "")],
+        [('            multiprocessing_context="forkserver" if num_workers else None,\n', "")],
         "tests/test_resnet.py::test_loader_workers_come_from_a_forkserver_and_ignore_ctrl_c[dp_resnet.py]",
     ),
     (  # from another folder the forkserver cannot find the script, and imports torch with
@@ -346,14 +346,24 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         # for it, fails (a traceback from multiprocessing's start)
         "ddp: a start that a stop failed raises",
         "ddp_resnet.py",
-        [("        if not held:\n            raise\n        batches = None\n", "        raise\n")],
+        [
+            (
+                "            if not held:\n                raise\n            batches = None\n",
+                "            raise\n",
+            )
+        ],
         "tests/test_faults.py::test_a_stop_while_the_forkserver_loads_torch_is_quiet[ddp_resnet.py-ctrl_c]",
     ),
     (  # a Ctrl-C while the forkserver imports ends it too, and the loader's start, waiting
         # for it, fails (a traceback from multiprocessing's start)
         "dp: a start that a stop failed raises",
         "dp_resnet.py",
-        [("        if not held:\n            raise\n        batches = None\n", "        raise\n")],
+        [
+            (
+                "            if not held:\n                raise\n            batches = None\n",
+                "            raise\n",
+            )
+        ],
         "tests/test_faults.py::test_a_stop_while_the_forkserver_loads_torch_is_quiet[dp_resnet.py-ctrl_c]",
     ),
     (

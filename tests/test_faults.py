@@ -536,11 +536,11 @@ def test_a_stop_while_the_forkserver_loads_torch_is_quiet(script, stop, tmp_path
     moment of its first 3 s); now it imports the script first, whose first line comes first.
     SIGTERM reaches the ranks alone: the forkserver, done with its imports, forked the worker
     asked for, which failed to open a semaphore its rank removed as it ended (12 of 20 runs
-    stopped at a random moment of 5-10 s); start_workers() now holds the stop until the loader
-    is built. A Ctrl-C ends the loading forkserver too, and the loader waiting for it raised:
-    now start_workers() takes a start that fails while a stop is held for that stop, and exits
-    130. The forkserver is held stopped here, as on a busy machine, until the training process
-    has asked (its main thread blocks on a pipe; 10 s where /proc cannot say).
+    stopped at a random moment of 5-10 s); WorkerLoader.__iter__ now holds the stop until the
+    loader is built. A Ctrl-C ends the loading forkserver too, and the loader waiting for it
+    raised: now WorkerLoader.__iter__ takes a start that fails while a stop is held for that
+    stop, and exits 130. The forkserver is held stopped here, as on a busy machine, until the
+    training process has asked (its main thread blocks on a pipe; 10 s where /proc cannot say).
     Run from another folder, as `torchrun path/to/ddp_resnet.py` is: the forkserver finds the
     script only because it starts in the script's folder."""
     flags = ["--workers", 1, "--epochs", 2, "--ckpt-dir", tmp_path / "ckpt"]
@@ -580,8 +580,8 @@ def test_a_ctrl_c_that_ends_the_loading_forkserver_is_quiet(tmp_path):
     run inside the clean-up of that Connection: its rank printed `Exception ignored while
     calling deallocator ... OSError: [Errno 9] Bad file descriptor` (4 of 5 runs on 3.14.10).
     That request was a do-nothing process's, started with the raising handler; now the first
-    is a worker's, inside start_workers(). Earlier Pythons have no such Connection: there this
-    checks the quiet stop alone."""
+    is a worker's, inside WorkerLoader.__iter__. Earlier Pythons have no such Connection: there
+    this checks the quiet stop alone."""
     flags = ["--workers", 1, "--epochs", 2, "--ckpt-dir", tmp_path / "ckpt"]
     proc = start(command("spawn", *flags))
     wait_for_forkservers_importing_torch(proc)
@@ -604,7 +604,7 @@ def test_ctrl_c_as_the_loader_workers_start_is_quiet_and_leaves_nothing(tmp_path
     spawned ranks: exit 130, nothing on stderr, and nothing left in TMPDIR. Before, the Ctrl-C
     cut the loader's start short: torch printed an AttributeError from the half-built loader,
     and a worker whose rank had ended printed a FileNotFoundError for its semaphores (8 of 8
-    runs so stopped). Now start_workers() holds the Ctrl-C until the loader is built; the
+    runs so stopped). Now WorkerLoader.__iter__ holds the Ctrl-C until the loader is built; the
     rank then ends its workers as it exits. And before that, batches went by shared-memory
     name (the file_system strategy): each worker started a torch_shm_manager for its first
     batch, which aborted when its worker ended first, printing 'terminate called ... what():

@@ -142,7 +142,7 @@ def test_the_repeated_helpers_and_launching_are_the_same_in_every_script():
         ("def ignore_stops", "\n\n\n", SCRIPTS),
         ("# Ctrl-C while torch imports", "import torch\n", DDP),
         ("def start_forkserver", "\n\n\n", ["dp_resnet.py", "ddp_resnet.py"]),
-        ("def start_workers", "\n\n\n", ["dp_resnet.py", "ddp_resnet.py"]),
+        ("class WorkerLoader", "\n\n\n", ["dp_resnet.py", "ddp_resnet.py"]),
         ("def worker_init", "\n\n\n", ["dp_resnet.py", "ddp_resnet.py"]),
         ("def exit_after_parent", "\n\n\n", ["dp_resnet.py", "ddp_resnet.py"]),
     ):
