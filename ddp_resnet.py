@@ -181,14 +181,13 @@ def evaluate(model, val_set, device, args):
     # this rank's share, every world_size-th image: unlike a DistributedSampler,
     # it pads nothing, so each image is counted once
     share = Subset(val_set, range(dist.get_rank(), len(val_set), dist.get_world_size()))
-    # scored with the bare model.module: DDP's forward would wait for every rank, and
-    # the ranks' numbers of batches differ. DDP's forward also copies rank 0's
-    # BatchNorm statistics to the others: done here, so every rank scores one model
+    # rank 0's BatchNorm statistics in every rank, as DDP's forward would copy them
     for buffer in model.module.buffers():
         dist.broadcast(buffer, src=0)
     correct = seen = 0
     model.eval()
     for images, labels in DataLoader(share, args.batch_size):
+        # model.module: DDP's forward waits for every rank, and batch counts differ
         logits = model.module(images.to(device))
         correct += (logits.argmax(1) == labels.to(device)).sum().item()
         seen += len(labels)
@@ -356,7 +355,7 @@ class WorkerLoader(DataLoader):
 
     def __init__(self, *args, num_workers, **kwargs):
         if num_workers:
-            # not forks of this process: a fork of a process with threads can stall
+            # not forks: a fork can hang on a lock one of this process's threads held
             start_forkserver()
         super().__init__(
             *args,

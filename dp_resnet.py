@@ -239,7 +239,7 @@ class WorkerLoader(DataLoader):
 
     def __init__(self, *args, num_workers, **kwargs):
         if num_workers:
-            # not forks of this process: a fork of a process with threads can stall
+            # not forks: a fork can hang on a lock one of this process's threads held
             start_forkserver()
         super().__init__(
             *args,
