@@ -19,7 +19,7 @@ import sys
 import tempfile
 import threading
 import time
-from multiprocessing import forkserver
+from multiprocessing import forkserver, util
 from pathlib import Path
 
 # Ctrl-C while torch imports (seconds): exit at once, quietly; __main__ takes over
@@ -241,6 +241,8 @@ class WorkerLoader(DataLoader):
         if num_workers:
             # not forks: a fork can hang on a lock one of this process's threads held
             start_forkserver()
+            # at exit, before multiprocessing joins them: a stopped worker never ends
+            util.Finalize(None, continue_workers, exitpriority=0)
         super().__init__(
             *args,
             num_workers=num_workers,
@@ -300,6 +302,12 @@ def exit_after_parent():
     """Wait for the training process (multiprocessing's parent), then end the worker."""
     mp.parent_process().join()
     os._exit(1)
+
+
+def continue_workers():
+    """At exit: the workers go on (SIGCONT), to act on the SIGTERM that ends them."""
+    for worker in mp.active_children():
+        os.kill(worker.pid, signal.SIGCONT)
 
 
 # --- end of loader workers ---

@@ -289,6 +289,18 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         [("    sys.excepthook = lambda *exc_info: None\n", "")],
         "tests/test_own_model.py::test_ctrl_c_while_a_worker_hands_a_batch_over_is_quiet",
     ),
+    (
+        "dp: a stopped worker holds the exit",
+        "dp_resnet.py",
+        [("            util.Finalize(None, continue_workers, exitpriority=0)\n", "")],
+        "tests/test_own_model.py::test_a_stopped_loader_worker_does_not_hold_the_exit[dp_resnet.py]",
+    ),
+    (
+        "ddp: a stopped worker holds the exit",
+        "ddp_resnet.py",
+        [("            util.Finalize(None, continue_workers, exitpriority=0)\n", "")],
+        "tests/test_own_model.py::test_a_stopped_loader_worker_does_not_hold_the_exit[ddp_resnet.py]",
+    ),
     (  # a stop inside iter(): a half-built loader's AttributeError, its workers' FileNotFoundError
         "ddp: a stop as the workers start is not held",
         "ddp_resnet.py",

@@ -236,6 +236,42 @@ def test_ctrl_c_while_a_worker_hands_a_batch_over_is_quiet(tmp_path):
     assert "done |" not in res.stdout
 
 
+STOPS_AFTER_ITS_LAST_BATCH = '''def load_datasets(args):
+    """Two classes of random images. The loader worker stops (SIGSTOP) half a second after it
+    loads the epoch's last image, its work done, as a debugger or a job manager may stop it."""
+    return StopsAfterItsLastBatch(), 2
+
+
+class StopsAfterItsLastBatch(torch.utils.data.Dataset):
+    loaded = 0  # in this worker
+
+    def __len__(self):
+        return 20
+
+    def __getitem__(self, i):
+        self.loaded += 1
+        if self.loaded == len(self):
+            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGSTOP)).start()
+        return torch.randn(3, 16, 16), i % 2
+'''
+
+
+@pytest.mark.parametrize("original", ["dp_resnet.py", "ddp_resnet.py"])
+def test_a_stopped_loader_worker_does_not_hold_the_exit(original, tmp_path):
+    """A loader worker stopped (SIGSTOP) after the epoch's last batch: the run ends, exit 0,
+    and leaves no process. Python's exit waits for each worker, and waited forever for it (a
+    spawned rank's exit too, which multiprocessing runs)."""
+    own = STOPS_AFTER_ITS_LAST_BATCH + LINEAR
+    if original == "ddp_resnet.py":  # one spawned rank, which loads every image
+        own = own.replace("StopsAfterItsLastBatch(), 2", "StopsAfterItsLastBatch(), None, 2")
+    script, _ = own_copy(tmp_path, original, own)
+    cmd = [sys.executable, script, "--cpu", "--workers", 1, "--batch-size", 2, "--epochs", 1]
+    cmd += ["--nprocs", 1] if original == "ddp_resnet.py" else []
+    cmd += ["--ckpt-dir", tmp_path / "ckpt"]
+    res = run([str(c) for c in cmd], timeout=90, env=ONE_THREAD)
+    assert "done | epochs_run 1" in res.stdout
+
+
 SLOW_RANK = OWN.replace(
     "def build_model(args, num_classes):\n",
     "def build_model(args, num_classes):\n"
