@@ -300,6 +300,13 @@ def nonempty(text):
     return text
 
 
+def learning_rate(text):
+    # refused: with nan or inf every step trains to nan, and the run exits 0
+    if not 0 < float(text) < float("inf"):
+        raise ValueError(text)
+    return float(text)
+
+
 def parse_args():
     p = argparse.ArgumentParser()
     gpus = torch.cuda.device_count()
@@ -309,7 +316,7 @@ def parse_args():
     p.add_argument("--metrics-out", type=nonempty, help="rank 0's results, as JSON")
     p.add_argument("--epochs", type=positive, default=10)
     p.add_argument("--batch-size", type=positive, default=100, help="per rank")
-    p.add_argument("--lr", type=float, default=0.01, help="Adam's")
+    p.add_argument("--lr", type=learning_rate, default=0.01, help="Adam's")
     p.add_argument("--data", type=nonempty, default="data", help="FashionMNIST's root")
     p.add_argument("--synthetic", action="store_true", help="random data")
     return p.parse_args()

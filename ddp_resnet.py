@@ -523,6 +523,13 @@ def nonempty(text):
     return text
 
 
+def learning_rate(text):
+    # refused: with nan or inf every step trains to nan, and the run exits 0
+    if not 0 < float(text) < float("inf"):
+        raise ValueError(text)
+    return float(text)
+
+
 def parse_args():
     p = argparse.ArgumentParser()
     gpus = torch.cuda.device_count()
@@ -532,7 +539,7 @@ def parse_args():
     p.add_argument("--metrics-out", type=nonempty, help="rank 0's results, as JSON")
     p.add_argument("--epochs", type=positive, default=30)
     p.add_argument("--batch-size", type=positive, default=64, help="per rank")
-    p.add_argument("--lr", type=float, default=0.01, help="learning rate")
+    p.add_argument("--lr", type=learning_rate, default=0.01, help="learning rate")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--max-steps", type=positive, help="cuts each epoch to N steps")
     p.add_argument("--data", type=nonempty, help="an ImageFolder (else random images)")

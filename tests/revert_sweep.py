@@ -290,6 +290,18 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         "tests/test_own_model.py::test_ctrl_c_while_a_worker_hands_a_batch_over_is_quiet",
     ),
     (
+        "fm: --lr inf trains to nan",
+        "ddp_fashionmnist.py",
+        [('"--lr", type=learning_rate', '"--lr", type=float')],
+        "tests/test_fashionmnist.py::test_bad_data_fails_before_training_and_names_the_cause",
+    ),
+    (
+        "ddp: --lr nan trains to nan",
+        "ddp_resnet.py",
+        [('"--lr", type=learning_rate', '"--lr", type=float')],
+        "tests/test_resnet.py::test_bad_input_fails_before_training_and_names_the_cause[ddp_resnet.py]",
+    ),
+    (
         "dp: a stopped worker holds the exit",
         "dp_resnet.py",
         [("            util.Finalize(None, continue_workers, exitpriority=0)\n", "")],

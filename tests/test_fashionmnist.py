@@ -91,7 +91,7 @@ def test_ddp_on_two_ranks_equals_one_process_on_their_global_batch(tmp_path):
 
 def test_bad_data_fails_before_training_and_names_the_cause(tmp_path):
     """A damaged file: torchvision's own error, from the rank that reads it first, and no
-    start line. An empty flag: argparse's one line."""
+    start line. An empty flag, or a learning rate of inf: argparse's one line."""
     root = debian_root(tmp_path / "cut")
     raw = root / "FashionMNIST" / "raw" / "t10k-images-idx3-ubyte"
     raw.write_bytes(raw.read_bytes()[:-1000])  # truncated
@@ -99,6 +99,8 @@ def test_bad_data_fails_before_training_and_names_the_cause(tmp_path):
         (["--data", root], 1, "shape '[10000, 28, 28]' is invalid for input of size"),
         # `--data "$DATA"`, DATA unset: once, a download into the current folder
         (["--data", ""], 2, "ddp_fashionmnist.py: error: argument --data: invalid nonempty"),
+        # once, Adam took it, every step trained to nan, and the run exited 0
+        (["--lr", "inf"], 2, "ddp_fashionmnist.py: error: argument --lr: invalid learning_rate"),
     ]
     procs = [start(python("ddp_fashionmnist.py", "--cpu", *f)) for f, _, _ in cases]
     for proc, (_, code, cause) in zip(procs, cases, strict=True):

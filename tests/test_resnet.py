@@ -244,6 +244,8 @@ def test_bad_input_fails_before_training_and_names_the_cause(script, tmp_path, r
         # with a missing --data, a script that takes the empty folder stops before any save
         empty_ckpt = ["--ckpt-dir", "", "--data", missing]
         cases.append((empty_ckpt, 2, "argument --ckpt-dir: invalid nonempty value: ''"))
+        # once, every step trained to nan, and the run exited 0
+        cases.append((["--lr", "nan"], 2, "argument --lr: invalid learning_rate value: 'nan'"))
     else:
         cases.append((["--batch-size", 13000], 1, "error: 12800 images, too few for one batch"))
         cases.append((["--arch", "googlenet"], 2, "argument --arch: invalid choice: 'googlenet'"))
