@@ -525,7 +525,7 @@ def nonempty(text):
 
 def learning_rate(text):
     # refused: with nan or inf every step trains to nan, and the run exits 0
-    if not 0 < float(text) < float("inf"):
+    if not 0 <= float(text) < float("inf"):
         raise ValueError(text)
     return float(text)
 
