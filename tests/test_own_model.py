@@ -237,8 +237,9 @@ def test_ctrl_c_while_a_worker_hands_a_batch_over_is_quiet(tmp_path):
 
 
 STOPS_AFTER_ITS_LAST_BATCH = '''def load_datasets(args):
-    """Two classes of random images. The loader worker stops (SIGSTOP) half a second after it
-    loads the epoch's last image, its work done, as a debugger or a job manager may stop it."""
+    """Two classes of random images. The loader worker stops (SIGSTOP) 2 s after it loads the
+    epoch's last image, its work done (the training process takes the last batches well within
+    that), as a debugger or a job manager may stop it."""
     return StopsAfterItsLastBatch(), 2
 
 
@@ -251,7 +252,7 @@ class StopsAfterItsLastBatch(torch.utils.data.Dataset):
     def __getitem__(self, i):
         self.loaded += 1
         if self.loaded == len(self):
-            threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGSTOP)).start()
+            threading.Timer(2, os.kill, (os.getpid(), signal.SIGSTOP)).start()
         return torch.randn(3, 16, 16), i % 2
 '''
 
