@@ -194,14 +194,14 @@ SLOW_TO_LOAD = '''def load_datasets(args):
 def ctrl_c_at_a_handover(n):
     """A Ctrl-C to the whole group, as a terminal's, once this process has connected to the
     worker for the n-th file descriptor, and before it asks for it."""
+    import itertools
     import multiprocessing.connection as connection
 
-    client, calls = connection.Client, []
+    client, connects = connection.Client, itertools.count(1)
 
     def cut(*args, **kwargs):
         conn = client(*args, **kwargs)
-        calls.append(1)
-        if len(calls) == n:
+        if next(connects) == n:
             with conn:  # the Ctrl-C's exit closes the connection, as torch's `with` would
                 os.killpg(0, signal.SIGINT)
         return conn
@@ -244,7 +244,8 @@ STOPS_AFTER_ITS_LAST_BATCH = '''def load_datasets(args):
 
 
 class StopsAfterItsLastBatch(torch.utils.data.Dataset):
-    loaded = 0  # in this worker
+    def __init__(self):
+        self.loaded = 0  # counted in the worker's copy
 
     def __len__(self):
         return 20
