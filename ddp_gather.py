@@ -134,9 +134,12 @@ def run_rank(local_rank, main, args):
     """One rank: main(local_rank, args), ended with its launcher, quiet once done."""
     # optional: a watch that ends this rank if its launcher dies, even in the rendezvous
     threading.Thread(target=stop_after_launcher, daemon=True).start()
-    main(local_rank, args)
-    # done: a stop now would land in Python's exit hooks, and print a traceback
-    ignore_stops()
+    try:
+        main(local_rank, args)
+    finally:
+        # done: a stop now would print a traceback from Python's exit hooks; failed:
+        # it would cut short the error file @record writes, and torchrun fail on it
+        ignore_stops()
 
 
 def terminate_ranks(signum, frame):

@@ -301,6 +301,17 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         [('"--lr", type=learning_rate', '"--lr", type=float')],
         "tests/test_resnet.py::test_bad_input_fails_before_training_and_names_the_cause[ddp_resnet.py]",
     ),
+    (  # torchrun then fails reading the empty file (JSONDecodeError), and restarts nothing
+        "ddp: a stop cuts a failed rank's error file",
+        "ddp_resnet.py",
+        [
+            (
+                "    try:\n        main(local_rank, args)\n    finally:\n",
+                "    main(local_rank, args)\n    if True:\n",
+            )
+        ],
+        "tests/test_faults.py::test_exception_in_one_rank_ends_the_job[torchrun]",
+    ),
     (
         "dp: a stopped worker holds the exit",
         "dp_resnet.py",

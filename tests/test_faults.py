@@ -218,9 +218,26 @@ def image_folder(root, per_class: int, broken: int = -1):
     return root
 
 
-def test_exception_in_one_rank_ends_the_job(tmp_path):
+# A stop as torchrun sends it to the ranks when one has failed, but at the worst moment: while
+# that rank's @record has its error file open, before writing. Cut short, the file is empty, and
+# torchrun failed as it read it (JSONDecodeError; with --max-restarts, no restart), the cause lost.
+STOP_MID_ERROR_FILE = """
+import json, os, signal, time
+dump = json.dump
+def dump_after_a_stop(obj, fp, *args, **kwargs):
+    if getattr(fp, "name", None) == os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(1)
+    dump(obj, fp, *args, **kwargs)
+json.dump = dump_after_a_stop
+"""
+
+
+@pytest.mark.parametrize("how", ["spawn", "torchrun"])
+def test_exception_in_one_rank_ends_the_job(how, tmp_path):
     """A corrupt image makes the one rank that reads it raise mid-epoch; the other is waiting in
-    a collective. The job ends at once with the cause, and leaves no process behind."""
+    a collective. The job ends at once with the cause, and leaves no process behind. Under
+    torchrun, a stop reaches the failed rank as it writes its error file (above)."""
     data = image_folder(tmp_path / "data", per_class=8, broken=5)
     flags = [
         *TINY,
@@ -236,9 +253,14 @@ def test_exception_in_one_rank_ends_the_job(tmp_path):
         tmp_path / "ckpt",
     ]
     began = time.monotonic()
-    cmd = python("ddp_resnet.py", "--nprocs", 2, *flags)
-    res = finish(start(cmd), timeout=110, check=False)  # well under --timeout: nobody waited for it
-    assert res.returncode != 0
+    if how == "spawn":
+        proc = start(python("ddp_resnet.py", "--nprocs", 2, *flags))
+    else:
+        (tmp_path / "sitecustomize.py").write_text(STOP_MID_ERROR_FILE)
+        cmd = torchrun("ddp_resnet.py", 2, *flags)
+        proc = start(cmd, env={"PYTHONPATH": str(tmp_path), **ONE_THREAD})
+    res = finish(proc, timeout=110, check=False)  # well under --timeout: nobody waited for it
+    assert res.returncode != 0 and "JSONDecodeError" not in res.stderr
     assert (
         "cannot identify image file" in res.stderr and "class_1/5.png" in res.stderr
     )  # the root cause
