@@ -253,7 +253,7 @@ def run_rank(local_rank, main, args):
         main(local_rank, args)
     finally:
         # done: a stop now would print a traceback from Python's exit hooks; failed:
-        # it would cut short the error file @record writes, and torchrun fail on it
+        # it would cut short @record's error file, which torchrun then cannot read
         ignore_stops()
 
 
