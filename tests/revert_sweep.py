@@ -305,7 +305,7 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         "ddp: a stop cuts a failed rank's error file",
         "ddp_resnet.py",
         [
-            (
+            (  # ignore_stops() after a return only, as before
                 "    try:\n        main(local_rank, args)\n    finally:\n",
                 "    main(local_rank, args)\n    if True:\n",
             )

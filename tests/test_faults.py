@@ -37,6 +37,12 @@ FM = ["--cpu", "--synthetic", "--timeout", "10"]
 TIMEOUT = 180
 
 
+def patched(tmp_path, code: str) -> dict:
+    """The environment of a run whose every Python process first runs `code` (sitecustomize)."""
+    (tmp_path / "sitecustomize.py").write_text(code)
+    return {"PYTHONPATH": str(tmp_path)}
+
+
 def children(pid: int) -> list:
     try:
         with open(f"/proc/{pid}/task/{pid}/children") as f:
@@ -256,9 +262,8 @@ def test_exception_in_one_rank_ends_the_job(how, tmp_path):
     if how == "spawn":
         proc = start(python("ddp_resnet.py", "--nprocs", 2, *flags))
     else:
-        (tmp_path / "sitecustomize.py").write_text(STOP_MID_ERROR_FILE)
         cmd = torchrun("ddp_resnet.py", 2, *flags)
-        proc = start(cmd, env={"PYTHONPATH": str(tmp_path), **ONE_THREAD})
+        proc = start(cmd, env=patched(tmp_path, STOP_MID_ERROR_FILE))
     res = finish(proc, timeout=110, check=False)  # well under --timeout: nobody waited for it
     assert res.returncode != 0 and "JSONDecodeError" not in res.stderr
     assert (
@@ -401,7 +406,7 @@ def during_a_save(proc, folder) -> None:
 
 
 # The second Ctrl-C at the worst moment too, in the process that saves: as the first one's
-# clean-up removes the .tmp. Before ignore_stops(), it raised again there, and the .tmp stayed.
+# clean-up removes the .tmp. Without ignore_stops(), it raised again there, and the .tmp stayed.
 CTRL_C_AS_THE_TMP_GOES = """
 import os, pathlib, signal
 unlink = pathlib.Path.unlink
@@ -441,8 +446,7 @@ def test_a_stop_mid_epoch_then_ctrl_c_during_a_save_then_resume(how, tmp_path):
     interrupted(res, how)
     assert "Exception ignored" not in res.stderr, res.stderr[-3000:]
     assert saved(folder) == [1]
-    (tmp_path / "sitecustomize.py").write_text(CTRL_C_AS_THE_TMP_GOES)
-    env = {"PYTHONPATH": str(tmp_path)}
+    env = patched(tmp_path, CTRL_C_AS_THE_TMP_GOES)
     proc = start(command(how, *flags, "--resume"), env=env)  # Ctrl-C mid-save
     during_a_save(proc, folder)
     os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole process group
@@ -522,9 +526,8 @@ def test_ranks_end_with_a_launcher_killed_as_they_start(how, tmp_path):
     waited for its store until --timeout."""
     flags = ["--cpu", "--synthetic", "--epochs", 100, "--timeout", 120]
     if how == "spawn":
-        (tmp_path / "sitecustomize.py").write_text(STALL)
         cmd = python("ddp_fashionmnist.py", "--nprocs", 2, *flags)
-        proc = start(cmd, env={"PYTHONPATH": str(tmp_path)})
+        proc = start(cmd, env=patched(tmp_path, STALL))
         wait_for_ranks(proc, 2, under_torchrun=False)
         time.sleep(1)  # each rank has its launcher's data by now, and still sleeps
     else:
