@@ -269,10 +269,11 @@ class WorkerLoader(DataLoader):
                 signal.signal(sig, exit_quietly)
         if not held:
             return batches
-        # a stop came: end the workers first (del), then exit 130 (exit_quietly);
-        # Python's exit alone removed their queues while a worker still opened them
+        # a stop came: end the workers (del: Python's exit alone removed their queues
+        # while a worker still opened them), deaf to a next stop, which raised in del
+        ignore_stops()
         del batches
-        exit_quietly(held[0], None)
+        sys.exit(130)
 
 
 def start_forkserver():

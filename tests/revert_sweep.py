@@ -328,7 +328,19 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         "ddp: a stop as the workers start is not held",
         "ddp_resnet.py",
         [("    def __iter__(self):\n", "    def iter_held(self):\n")],
-        "tests/test_faults.py::test_ctrl_c_as_the_loader_workers_start_is_quiet_and_leaves_nothing",
+        "tests/test_faults.py::test_ctrl_c_as_the_loader_workers_start_is_quiet_and_leaves_nothing[ddp_resnet.py]",
+    ),
+    (  # the launcher's SIGTERM after a Ctrl-C: "Exception ignored" in the iterator's __del__
+        "ddp: a next stop raises as a held stop ends the workers",
+        "ddp_resnet.py",
+        [("        ignore_stops()\n        del batches\n", "        del batches\n")],
+        "tests/test_faults.py::test_ctrl_c_as_the_loader_workers_start_is_quiet_and_leaves_nothing[ddp_resnet.py]",
+    ),
+    (
+        "dp: a next stop raises as a held stop ends the workers",
+        "dp_resnet.py",
+        [("        ignore_stops()\n        del batches\n", "        del batches\n")],
+        "tests/test_faults.py::test_ctrl_c_as_the_loader_workers_start_is_quiet_and_leaves_nothing[dp_resnet.py]",
     ),
     (  # the epoch's last step breaks out of the loop, as --max-steps once did
         "dp: an epoch leaves its loader early",

@@ -639,21 +639,41 @@ def forked_by_a_forkserver(mark: str) -> set:
     return {c for s in servers for c in children(s)}
 
 
-def test_ctrl_c_as_the_loader_workers_start_is_quiet_and_leaves_nothing(tmp_path):
+# A second stop at the worst moment: as the held first one's clean-up ends the workers (an
+# iterator deleted unfinished). Spawned, it always comes: the launcher sends each rank SIGTERM
+# on Ctrl-C. Before, it raised inside torch's __del__: "Exception ignored" and a traceback.
+SIGTERM_AS_THE_WORKERS_END = """
+import os, signal
+from torch.utils.data import dataloader
+iterator = dataloader._MultiProcessingDataLoaderIter
+end = iterator.__del__
+def end_after_a_sigterm(self):
+    if not getattr(self, "_shutdown", True):
+        os.kill(os.getpid(), signal.SIGTERM)
+    end(self)
+iterator.__del__ = end_after_a_sigterm
+"""
+
+
+@pytest.mark.parametrize("script", ["ddp_resnet.py", "dp_resnet.py"])
+def test_ctrl_c_as_the_loader_workers_start_is_quiet_and_leaves_nothing(script, tmp_path):
     """Ctrl-C to the whole group the moment the second epoch's first loader worker exists, 2
-    spawned ranks: exit 130, nothing on stderr, and nothing left in TMPDIR. Before, the Ctrl-C
-    cut the loader's start short: torch printed an AttributeError from the half-built loader,
-    and a worker whose rank had ended printed a FileNotFoundError for its semaphores (8 of 8
-    runs so stopped). Now WorkerLoader.__iter__ holds the Ctrl-C until the loader is built; the
-    rank then ends its workers as it exits. And before that, batches went by shared-memory
+    spawned ranks or DataParallel: exit 130, nothing on stderr, and nothing left in TMPDIR,
+    with a second stop (SIGTERM) as the workers end. Before, the Ctrl-C cut the loader's start
+    short: torch printed an AttributeError from the half-built loader, and a worker whose rank
+    had ended printed a FileNotFoundError for its semaphores (8 of 8 runs so stopped). Now
+    WorkerLoader.__iter__ holds the Ctrl-C until the loader is built, and then ends its workers
+    deaf to a next stop; the process then exits. And before that, batches went by shared-memory
     name (the file_system strategy): each worker started a torch_shm_manager for its first
     batch, which aborted when its worker ended first, printing 'terminate called ... what():
     Broken pipe' and leaving its folder in TMPDIR (4 of 4 runs)."""
     # short, under the session's: the forkserver's socket path must fit 107 characters
     tmp = Path(tempfile.mkdtemp(dir=os.environ["TMPDIR"]))
     flags = [*LONG[:-4], "--max-steps", 3, "--epochs", 20, "--workers", 2, "--timeout", 60]
-    cmd = python("ddp_resnet.py", *flags, "--ckpt-dir", tmp_path / "ckpt")
-    proc = start(cmd, env={"TMPDIR": str(tmp)})
+    flags = flags if script == "ddp_resnet.py" else flags[:-2]
+    cmd = python(script, *flags, "--ckpt-dir", tmp_path / "ckpt")
+    env = {"TMPDIR": str(tmp), **patched(tmp_path, SIGTERM_AS_THE_WORKERS_END)}
+    proc = start(cmd, env=env)
     try:
         for _ in lines(proc, TIMEOUT, until=lambda line: line.startswith("epoch 1/20 | loss")):
             pass
