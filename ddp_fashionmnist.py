@@ -252,8 +252,8 @@ def run_rank(local_rank, main, args):
     try:
         main(local_rank, args)
     finally:
-        # done: a stop now would print a traceback from Python's exit hooks; failed:
-        # it would cut short @record's error file, which torchrun then cannot read
+        # a stop from here on could only harm: print from Python's exit hooks, or cut
+        # short the error file that @record writes for torchrun, which then fails
         ignore_stops()
 
 
