@@ -385,8 +385,8 @@ class WorkerLoader(DataLoader):
                 signal.signal(sig, exit_quietly)
         if not held:
             return batches
-        # a stop came: end the workers (del: Python's exit alone removed their queues
-        # while a worker still opened them), deaf to a next stop, which raised in del
+        # a stop came: deaf to the next (a launcher's SIGTERM raised inside the del),
+        # end the workers now (at Python's exit, their queues went before they did)
         ignore_stops()
         del batches
         sys.exit(130)
