@@ -51,7 +51,7 @@ def ddp_setup(local_rank, args):
         world_size=int(os.environ["WORLD_SIZE"]),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL: barrier() then runs on this rank's GPU; gloo takes no device
+        # NCCL: the GPU this rank's collectives run on (gloo takes none)
         device_id=device if cuda else None,
     )
     # from here on, Ctrl-C and SIGTERM exit 130 quietly (see exit_quietly)

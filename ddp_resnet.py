@@ -59,7 +59,7 @@ def ddp_setup(local_rank, args):
         world_size=int(os.environ["WORLD_SIZE"]),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL: barrier() then runs on this rank's GPU; gloo takes no device
+        # NCCL: the GPU this rank's collectives run on (gloo takes none)
         device_id=device if cuda else None,
     )
     # from here on, Ctrl-C and SIGTERM exit 130 quietly (see exit_quietly)
@@ -74,8 +74,8 @@ def print0(*args, **kwargs):
 
 
 def fail(message):
-    """Call it where every rank decides alike (or the others wait): all exit 1, and
-    rank 0 says why."""
+    """Every rank calls it at the same point (or the others would wait): all exit 1,
+    and rank 0 says why."""
     print0(f"error: {message}", file=sys.stderr)
     dist.destroy_process_group()
     sys.exit(1)
@@ -98,8 +98,8 @@ def load_datasets(args):
         train_set = datasets.ImageFolder(args.data, transform=preprocess)
         classes = train_set.classes
     else:
-        # no --data: 256 random images, each its own class, 50 times over: the model
-        # learns them, and the loss falls
+        # no --data: random images to try the script on; 256 of them, each its own
+        # class, repeated 50 times, so that the loss falls as the model learns them
         images = TensorDataset(torch.randn(256, 3, size, size), torch.arange(256))
         train_set = ConcatDataset([images] * 50)
         classes = list(range(256))
@@ -124,7 +124,7 @@ def prepare_dataloader(dataset, device, args):
         args.batch_size,
         # each rank its own shuffled share of the training set
         sampler=DistributedSampler(dataset, seed=args.seed),
-        # fixed: per rank; the tutorial's 4 * GPUs in each rank made 4 * GPUs² in all
+        # fixed: per rank; the tutorial gave each rank 4 * GPUs (on 8 GPUs, 256 in all)
         num_workers=args.workers,
         pin_memory=device.type == "cuda",
         # BatchNorm cannot train on a last batch of 1 image
@@ -141,8 +141,7 @@ def train(model, dataloader, optimizer, device, epoch, args):
     torch.manual_seed(args.seed + 1000 * epoch + dist.get_rank())
     global_batch = args.batch_size * dist.get_world_size()
     steps = len(dataloader)
-    # the epoch's loss for the all_reduce below, summed on the device: an .item()
-    # at every step would wait for the GPU
+    # the epoch's summed loss, kept on the device for the all_reduce below
     loss_sum = torch.zeros((), device=device)
     began = last_print = time.monotonic()
     for step, (images, labels) in enumerate(dataloader, start=1):
@@ -150,7 +149,7 @@ def train(model, dataloader, optimizer, device, epoch, args):
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
         optimizer.zero_grad()
-        # --amp: bf16, which needs no GradScaler
+        # --amp: bf16 mixed precision
         with torch.autocast(device.type, torch.bfloat16, enabled=args.amp):
             outputs = model(images)
             loss = torch.nn.functional.cross_entropy(outputs, labels)
@@ -244,7 +243,7 @@ def load_model(epoch, model, optimizer, device, args):
     ckpt = torch.load(file, map_location=device, weights_only=True)
     model.module.load_state_dict(ckpt["model_state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_state_dict"])
-    # --lr wins over the checkpoint's lr (a --resume may pass another)
+    # the lr is --lr's, not the checkpoint's: a --resume may change it
     for group in optimizer.param_groups:
         group["lr"] = args.lr
 
@@ -272,7 +271,7 @@ def run_training_process_on_given_gpu(local_rank, args):
     print_start(model, len(loader), len(train_set), first_epoch, device, args)
     # fixed: the tutorial's range(1, 30) ran 29 epochs
     epochs = range(first_epoch, args.epochs + 1)
-    # the results if no epoch runs (--resume after the last epoch)
+    # what report() gets if no epoch runs (--resume after the last one)
     loss = rate = path = None
     scores = {}
     for epoch in epochs:

@@ -90,7 +90,7 @@ def train(model, dataloader, optimizer, device, epoch, args):
     # model and data (dropout, random crops) repeat an unbroken run's, bit for bit
     torch.manual_seed(epoch)
     steps = len(dataloader)
-    # summed on the device: an .item() at every step would wait for the GPU
+    # the epoch's summed loss, kept on the device
     loss_sum = torch.zeros((), device=device)
     began = last_print = time.monotonic()
     for step, (images, labels) in enumerate(dataloader, start=1):
