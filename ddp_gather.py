@@ -17,7 +17,8 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-# Ctrl-C while torch imports (seconds): exit at once, quietly; ddp_setup takes over
+# Ctrl-C while torch imports (seconds): exit at once, without a traceback;
+# ddp_setup sets the handler for the rest of the run
 signal.signal(signal.SIGINT, signal.SIG_DFL)
 # under torchrun, this rank's launcher, noted before torch loads (torchrun may die
 # meanwhile): stop_after_launcher ends the rank once it is gone
@@ -99,9 +100,9 @@ def launch(main, args):
     if not os.environ.get("OMP_NUM_THREADS"):
         threads = max(1, os.cpu_count() // args.nprocs)
         os.environ["OMP_NUM_THREADS"] = str(threads)
-    # fixed: a free port, not the tutorial's 12355 (binding port 0 picks one), held
-    # until the run ends so that no other program takes it; rank 0 binds it too
-    # (SO_REUSEADDR, here and in torch's store)
+    # fixed: a free port, not the tutorial's 12355: binding port 0 lets the system
+    # pick one. The socket stays open while the run lasts, so no other program takes
+    # the port; rank 0's store binds it too (both set SO_REUSEADDR)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -124,7 +125,7 @@ def launch(main, args):
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)
-    # every rank is done: a stop now would land in Python's exit hooks
+    # every rank is done: from here on, a stop could only cut Python's exit short
     ignore_stops()
 
 
@@ -153,7 +154,8 @@ def terminate_ranks(signum, frame):
 
 def stop_after_launcher():
     """Poll this rank's parent, its launcher; once it has ended, stop as on SIGTERM."""
-    # spawned: launch()'s pid, which LAUNCHER misses if launch() died within ms
+    # spawned: launch()'s pid, from multiprocessing; LAUNCHER is wrong if launch()
+    # died before this rank started
     launcher = mp.parent_process().pid if mp.parent_process() else LAUNCHER
     while os.getppid() == launcher:
         time.sleep(1)

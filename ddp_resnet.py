@@ -21,7 +21,8 @@ from datetime import timedelta
 from multiprocessing import forkserver, util
 from pathlib import Path
 
-# Ctrl-C while torch imports (seconds): exit at once, quietly; ddp_setup takes over
+# Ctrl-C while torch imports (seconds): exit at once, without a traceback;
+# ddp_setup sets the handler for the rest of the run
 signal.signal(signal.SIGINT, signal.SIG_DFL)
 # under torchrun, this rank's launcher, noted before torch loads (torchrun may die
 # meanwhile): stop_after_launcher ends the rank once it is gone
@@ -384,8 +385,8 @@ class WorkerLoader(DataLoader):
                 signal.signal(sig, exit_quietly)
         if not held:
             return batches
-        # a stop came: deaf to the next (a launcher's SIGTERM raised inside the del),
-        # end the workers now (at Python's exit, their queues went before they did)
+        # a stop came: end the workers now (left to Python's exit, they outlived their
+        # queues), ignoring further stops (a launcher sends SIGTERM after a Ctrl-C)
         ignore_stops()
         del batches
         sys.exit(130)
@@ -409,8 +410,8 @@ def worker_init(worker_id):
     # multiprocessing's resource_sharer thread prints through sys.excepthook when a
     # Ctrl-C cuts a batch's handover; a real failure shows in the training process
     sys.excepthook = lambda *exc_info: None
-    # the forkserver, not the training process, is a worker's OS parent: without this
-    # thread, a worker outlived a training process that was killed
+    # a worker's OS parent is the forkserver, not the training process: this thread
+    # ends the worker when the training process dies, even when killed (SIGKILL)
     threading.Thread(target=exit_after_parent, daemon=True).start()
 
 
@@ -421,7 +422,7 @@ def exit_after_parent():
 
 
 def continue_workers():
-    """At exit: the workers go on (SIGCONT), to act on the SIGTERM that ends them."""
+    """At exit: wake any stopped worker, so that it acts on the SIGTERM that ends it."""
     for worker in mp.active_children():
         os.kill(worker.pid, signal.SIGCONT)
 
@@ -437,9 +438,9 @@ def launch(main, args):
     if not os.environ.get("OMP_NUM_THREADS"):
         threads = max(1, os.cpu_count() // args.nprocs)
         os.environ["OMP_NUM_THREADS"] = str(threads)
-    # fixed: a free port, not the tutorial's 12355 (binding port 0 picks one), held
-    # until the run ends so that no other program takes it; rank 0 binds it too
-    # (SO_REUSEADDR, here and in torch's store)
+    # fixed: a free port, not the tutorial's 12355: binding port 0 lets the system
+    # pick one. The socket stays open while the run lasts, so no other program takes
+    # the port; rank 0's store binds it too (both set SO_REUSEADDR)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
@@ -462,7 +463,7 @@ def launch(main, args):
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)
-    # every rank is done: a stop now would land in Python's exit hooks
+    # every rank is done: from here on, a stop could only cut Python's exit short
     ignore_stops()
 
 
@@ -491,7 +492,8 @@ def terminate_ranks(signum, frame):
 
 def stop_after_launcher():
     """Poll this rank's parent, its launcher; once it has ended, stop as on SIGTERM."""
-    # spawned: launch()'s pid, which LAUNCHER misses if launch() died within ms
+    # spawned: launch()'s pid, from multiprocessing; LAUNCHER is wrong if launch()
+    # died before this rank started
     launcher = mp.parent_process().pid if mp.parent_process() else LAUNCHER
     while os.getppid() == launcher:
         time.sleep(1)

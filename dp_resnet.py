@@ -22,7 +22,8 @@ import time
 from multiprocessing import forkserver, util
 from pathlib import Path
 
-# Ctrl-C while torch imports (seconds): exit at once, quietly; __main__ takes over
+# Ctrl-C while torch imports (seconds): exit at once, without a traceback;
+# __main__ sets the handler for the rest of the run
 signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 import torch
@@ -269,8 +270,8 @@ class WorkerLoader(DataLoader):
                 signal.signal(sig, exit_quietly)
         if not held:
             return batches
-        # a stop came: deaf to the next (a launcher's SIGTERM raised inside the del),
-        # end the workers now (at Python's exit, their queues went before they did)
+        # a stop came: end the workers now (left to Python's exit, they outlived their
+        # queues), ignoring further stops (a launcher sends SIGTERM after a Ctrl-C)
         ignore_stops()
         del batches
         sys.exit(130)
@@ -294,8 +295,8 @@ def worker_init(worker_id):
     # multiprocessing's resource_sharer thread prints through sys.excepthook when a
     # Ctrl-C cuts a batch's handover; a real failure shows in the training process
     sys.excepthook = lambda *exc_info: None
-    # the forkserver, not the training process, is a worker's OS parent: without this
-    # thread, a worker outlived a training process that was killed
+    # a worker's OS parent is the forkserver, not the training process: this thread
+    # ends the worker when the training process dies, even when killed (SIGKILL)
     threading.Thread(target=exit_after_parent, daemon=True).start()
 
 
@@ -306,7 +307,7 @@ def exit_after_parent():
 
 
 def continue_workers():
-    """At exit: the workers go on (SIGCONT), to act on the SIGTERM that ends them."""
+    """At exit: wake any stopped worker, so that it acts on the SIGTERM that ends it."""
     for worker in mp.active_children():
         os.kill(worker.pid, signal.SIGCONT)
 
