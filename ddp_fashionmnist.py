@@ -20,7 +20,7 @@ from datetime import timedelta
 from pathlib import Path
 
 # Ctrl-C while torch imports (seconds): exit at once, without a traceback;
-# ddp_setup sets the handler for the rest of the run
+# launch() and ddp_setup put their own handlers in later
 signal.signal(signal.SIGINT, signal.SIG_DFL)
 # under torchrun, this rank's launcher, noted before torch loads (torchrun may die
 # meanwhile): stop_after_launcher ends the rank once it is gone
@@ -52,7 +52,7 @@ def ddp_setup(local_rank, args):
         world_size=int(os.environ["WORLD_SIZE"]),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL: the GPU this rank's collectives run on (gloo takes none)
+        # NCCL: the GPU that barrier() uses (gloo takes none)
         device_id=device if cuda else None,
     )
     # from here on, Ctrl-C and SIGTERM exit 130 quietly (see exit_quietly)

@@ -22,7 +22,7 @@ from multiprocessing import forkserver, util
 from pathlib import Path
 
 # Ctrl-C while torch imports (seconds): exit at once, without a traceback;
-# ddp_setup sets the handler for the rest of the run
+# launch() and ddp_setup put their own handlers in later
 signal.signal(signal.SIGINT, signal.SIG_DFL)
 # under torchrun, this rank's launcher, noted before torch loads (torchrun may die
 # meanwhile): stop_after_launcher ends the rank once it is gone
@@ -60,7 +60,7 @@ def ddp_setup(local_rank, args):
         world_size=int(os.environ["WORLD_SIZE"]),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL: the GPU this rank's collectives run on (gloo takes none)
+        # NCCL: the GPU that barrier() uses (gloo takes none)
         device_id=device if cuda else None,
     )
     # from here on, Ctrl-C and SIGTERM exit 130 quietly (see exit_quietly)
@@ -386,7 +386,7 @@ class WorkerLoader(DataLoader):
         if not held:
             return batches
         # a stop came: end the workers now (left to Python's exit, they outlived their
-        # queues), ignoring further stops (a launcher sends SIGTERM after a Ctrl-C)
+        # queues), ignoring further stops (a second Ctrl-C, a launcher's SIGTERM)
         ignore_stops()
         del batches
         sys.exit(130)

@@ -91,7 +91,7 @@ def train(model, dataloader, optimizer, device, epoch, args):
     # model and data (dropout, random crops) repeat an unbroken run's, bit for bit
     torch.manual_seed(epoch)
     steps = len(dataloader)
-    # the epoch's summed loss, kept on the device
+    # the epoch's summed loss, kept on the device: no .item() wait at each step
     loss_sum = torch.zeros((), device=device)
     began = last_print = time.monotonic()
     for step, (images, labels) in enumerate(dataloader, start=1):
@@ -271,7 +271,7 @@ class WorkerLoader(DataLoader):
         if not held:
             return batches
         # a stop came: end the workers now (left to Python's exit, they outlived their
-        # queues), ignoring further stops (a launcher sends SIGTERM after a Ctrl-C)
+        # queues), ignoring further stops (a second Ctrl-C, a launcher's SIGTERM)
         ignore_stops()
         del batches
         sys.exit(130)
