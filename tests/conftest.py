@@ -113,6 +113,19 @@ def started_loader_workers(mark: str) -> list:
     return [pid for pid, parent in workers if parent in servers]
 
 
+def described(proc: subprocess.Popen) -> list:
+    """The run's live processes, each as its pid, state letter (T: stopped) and command line."""
+    found = []
+    for pid in sorted({proc.pid, *tagged(proc.mark)}):
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
+        except (OSError, IndexError):  # it just ended
+            continue
+        found.append(f"{pid} {state} {cmd[:120]}")
+    return found
+
+
 def kill_all(proc: subprocess.Popen) -> None:
     for pid in [proc.pid, *tagged(proc.mark)]:
         try:
@@ -130,10 +143,12 @@ def finish(
     try:
         out, err = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        alive = described(proc)  # which processes held the run open, before they are killed
         kill_all(proc)
         out, err = proc.communicate()
         pytest.fail(
             f"timed out after {timeout}s: {' '.join(map(str, args))}\n{out[-3000:]}\n{err[-3000:]}"
+            f"\nstill running then: {alive}"
         )
     deadline = time.monotonic() + linger
     while tagged(proc.mark) and time.monotonic() < deadline:
