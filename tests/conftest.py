@@ -113,16 +113,30 @@ def started_loader_workers(mark: str) -> list:
     return [pid for pid, parent in workers if parent in servers]
 
 
+def cmdline(pid: int) -> str:
+    """A process's command line; "" once it has ended (a short-lived child, say)."""
+    try:
+        with open(f"/proc/{pid}/cmdline") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def state(pid: int) -> str:
+    """A process's state letter, as /proc shows it (T: stopped); "" once it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return ""
+
+
 def described(proc: subprocess.Popen) -> list:
-    """The run's live processes, each as its pid, state letter (T: stopped) and command line."""
+    """The run's live processes, each as its pid, state letter and command line."""
     found = []
     for pid in sorted({proc.pid, *tagged(proc.mark)}):
-        try:
-            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-            cmd = open(f"/proc/{pid}/cmdline", "rb").read().replace(b"\0", b" ").decode()
-        except (OSError, IndexError):  # it just ended
-            continue
-        found.append(f"{pid} {state} {cmd[:120]}")
+        command = cmdline(pid).replace("\0", " ")
+        if state(pid):  # "" once it has ended
+            found.append(f"{pid} {state(pid)} {command[:120]}")
     return found
 
 

@@ -19,6 +19,7 @@ from conftest import (
     ONE_THREAD,
     RESNET,
     TINY,
+    cmdline,
     finish,
     finish_all,
     kill_all,
@@ -49,15 +50,6 @@ def children(pid: int) -> list:
             return [int(c) for c in f.read().split()]
     except OSError:
         return []
-
-
-def cmdline(pid: int) -> str:
-    """A process's command line; "" once it has ended (a short-lived child, say)."""
-    try:
-        with open(f"/proc/{pid}/cmdline") as f:
-            return f.read()
-    except OSError:
-        return ""
 
 
 def wait_for_ranks(proc, count: int, under_torchrun: bool, timeout: float = 60) -> list:

@@ -9,7 +9,6 @@ import shutil
 import signal
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,6 +24,7 @@ from conftest import (
     run,
     same_weights,
     start,
+    state,
     tagged,
 )
 
@@ -302,11 +302,3 @@ def test_ctrl_c_while_a_rank_waits_for_a_slower_one_is_quiet(tmp_path):
     finally:
         res = finish(proc, timeout=60, check=False)  # none outlives the test
     assert res.returncode == 130 and "Traceback" not in res.stderr, res.stderr[-3000:]
-
-
-def state(pid: int) -> str:
-    """A process's state letter, as /proc shows it (T: stopped); "" once it is gone."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return ""
