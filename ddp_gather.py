@@ -3,7 +3,7 @@
     python ddp_gather.py          # one process per GPU, or 2 on a CPU
     torchrun --standalone --nproc-per-node=3 ddp_gather.py --cpu
 
-Rank 0 prints the gathered objects, the tensors and `done | gathered N objects`.
+Rank 0 prints the gathered objects, the tensors and `done | gathered N objects | ...`.
 """
 
 import argparse
@@ -20,8 +20,7 @@ from pathlib import Path
 # Ctrl-C while torch imports (seconds): exit at once, without a traceback;
 # launch() and ddp_setup put their own handlers in later
 signal.signal(signal.SIGINT, signal.SIG_DFL)
-# under torchrun, this rank's launcher, noted before torch loads (torchrun may die
-# meanwhile): stop_after_launcher ends the rank once it is gone
+# torchrun's pid for stop_after_launcher, noted before torch loads (it may die then)
 LAUNCHER = os.getppid()
 
 import torch
@@ -41,15 +40,16 @@ def ddp_setup(local_rank, args):
     dist.init_process_group(
         # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on CPUs
         "nccl" if cuda else "gloo",
-        # torchrun sets RANK too; spawned on one node, rank = local_rank
+        # torchrun's RANK; a spawned rank (one node) is numbered by its local_rank
         rank=int(os.environ.get("RANK") or local_rank),
         world_size=int(os.environ["WORLD_SIZE"]),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL: the GPU that barrier() uses (gloo takes none)
+        # NCCL: binds this rank's GPU to the group, for barrier() too (gloo: none)
         device_id=device if cuda else None,
     )
-    # from here on, Ctrl-C and SIGTERM exit 130 quietly (see exit_quietly)
+    # Ctrl-C and SIGTERM ended the rank at once until now, even in the wait above;
+    # from here on they let the clean-up run, then exit 130 (see exit_quietly)
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, exit_quietly)
     return device
@@ -61,8 +61,8 @@ def main(local_rank, args):
     world_size = dist.get_world_size()
     tensor = torch.ones(3, device=device) + rank
     data = {
-        # fixed: a CPU copy; the tutorial's CUDA tensor would arrive in rank 0 on
-        # the GPU of the rank that sent it (cuda:1, cuda:2, ...)
+        # fixed: a CPU copy. A CUDA tensor is unpickled onto the GPU it came from,
+        # so rank 0 would hold tensors on cuda:1, cuda:2, ...
         "tensor": tensor.cpu(),
         # fixed: the tutorial's [1, 2, 3] + rank is a TypeError
         "list": [x + rank for x in [1, 2, 3]],
@@ -71,7 +71,7 @@ def main(local_rank, args):
     # room for one object from each rank, filled in rank order
     outputs = [None] * world_size
     dist.all_gather_object(outputs, data)
-    # all_gather: no pickling, for large or per-step tensors of one shape on every rank
+    # tensors of one shape in every rank: all_gather sends them without pickling
     tensors = [torch.empty_like(tensor) for _ in range(world_size)]
     dist.all_gather(tensors, tensor)
     if rank == 0:
@@ -89,57 +89,57 @@ def main(local_rank, args):
     dist.destroy_process_group()
 
 
-# --- launching: copy this section whole; the lines marked optional may go ---
-def launch(main, args):
-    """Run main(local_rank, args) once in each rank."""
+# --- launching: start the ranks, stop them cleanly (optional lines may go) ---
+def launch(fn, args):
+    """Run fn(local_rank, args) once in each rank."""
     if os.environ.get("RANK"):
         # torchrun (or a pod that sets RANK) started this process as one rank
         local_rank = int(os.environ.get("LOCAL_RANK") or 0)
-        return run_rank(local_rank, main, args)
+        return run_rank(local_rank, fn, args)
     # optional: each rank a share of the cores, not all (the ranks inherit this)
     if not os.environ.get("OMP_NUM_THREADS"):
         threads = max(1, os.cpu_count() // args.nprocs)
         os.environ["OMP_NUM_THREADS"] = str(threads)
-    # fixed: a free port, not the tutorial's 12355: binding port 0 lets the system
-    # pick one. The socket stays open while the run lasts, so no other program takes
-    # the port; rank 0's store binds it too (both set SO_REUSEADDR)
+    # fixed: a free port from the system (port 0), not the tutorial's 12355. Held
+    # open until the end, so that no other program takes it before rank 0's store
+    # binds it too (which SO_REUSEADDR on both allows)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
     os.environ["MASTER_ADDR"] = "127.0.0.1"
-    # --nprocs ranks, even where the shell exports another WORLD_SIZE
+    # read by ddp_setup; set here, so that a WORLD_SIZE in the shell cannot change it
     os.environ["WORLD_SIZE"] = str(args.nprocs)
-    # Ctrl-C, or a SIGTERM sent to this process alone (`kill PID`): stop the ranks
+    # Ctrl-C, or a SIGTERM to this process alone (`kill PID`): stop every rank
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, terminate_ranks)
-    processes = mp.spawn(run_rank, (main, args), nprocs=args.nprocs, join=False)
-    # join() is True once every rank has ended; after one fails, the others get 5 s
-    # (join=True gives none), so that rank 0 can finish printing why
+    processes = mp.spawn(run_rank, (fn, args), nprocs=args.nprocs, join=False)
+    # wait for every rank; once one fails, the others get 5 s to finish printing why
+    # before they are stopped (join=True would stop them at once)
     try:
         while not processes.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: exit with the failed rank's exit code (its error is printed
-        # already); re-raise if a signal killed it: torch's error names the signal
+        # optional: exit with the failed rank's code, as torchrun does; a rank
+        # killed by a signal: torch's error names it
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)
-    # every rank is done: from here on, a stop could only cut Python's exit short
+    # the ranks are done: a late Ctrl-C must not turn success into a traceback
     ignore_stops()
 
 
 # optional: @record puts a rank's traceback in torchrun's failure report
 @record
-def run_rank(local_rank, main, args):
-    """One rank: main(local_rank, args), ended with its launcher, quiet once done."""
-    # optional: a watch that ends this rank if its launcher dies, even in the rendezvous
+def run_rank(local_rank, fn, args):
+    """Run fn(local_rank, args) in this rank; end the rank if its launcher dies."""
+    # optional: end this rank if its launcher dies, even while the ranks still meet
     threading.Thread(target=stop_after_launcher, daemon=True).start()
     try:
-        main(local_rank, args)
+        fn(local_rank, args)
     finally:
-        # a stop from here on could only harm: print from Python's exit hooks, or cut
-        # short the error file that @record writes for torchrun, which then fails
+        # Ctrl-C ignored from here: it could only print a traceback at exit, or cut
+        # short the error file that @record writes (torchrun then fails to read it)
         ignore_stops()
 
 
@@ -154,25 +154,23 @@ def terminate_ranks(signum, frame):
 
 def stop_after_launcher():
     """Poll this rank's parent, its launcher; once it has ended, stop as on SIGTERM."""
-    # spawned: launch()'s pid, from multiprocessing; LAUNCHER is wrong if launch()
-    # died before this rank started
-    launcher = mp.parent_process().pid if mp.parent_process() else LAUNCHER
+    parent = mp.parent_process()
+    # spawned: launch(), even if it died before this rank's imports; torchrun: LAUNCHER
+    launcher = parent.pid if parent else LAUNCHER
     while os.getppid() == launcher:
         time.sleep(1)
     os.kill(os.getpid(), signal.SIGTERM)
 
 
 def exit_quietly(signum, frame):
-    """Ctrl-C or SIGTERM: exit 130, the shell's code for Ctrl-C, and ignore both
-    from now on, so that a second Ctrl-C cannot cut the clean-up short."""
+    """Ctrl-C or SIGTERM: exit 130, without a traceback, and ignore any further stop."""
     ignore_stops()
     # SystemExit: unlike KeyboardInterrupt, it ends Python without a traceback
     sys.exit(130)
 
 
 def ignore_stops():
-    """Ctrl-C and SIGTERM do nothing from now on. A function, not SIG_IGN: with a
-    signal pending, Python would raise "Signal 15 ignored due to race condition"."""
+    """Ctrl-C and SIGTERM do nothing from now on (not SIG_IGN: docs/hardening.md)."""
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, lambda signum, frame: None)
 

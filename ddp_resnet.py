@@ -1,4 +1,4 @@
-"""DDP ResNet (AIME, part 2): rank 0 saves a checkpoint, every rank reloads it.
+"""DDP ResNet (AIME "Multi GPU training with PyTorch", part 2: DDP).
 
     python ddp_resnet.py          # one process per GPU, or 2 on a CPU
     torchrun --standalone --nproc-per-node=2 ddp_resnet.py --cpu --arch resnet18
@@ -24,8 +24,7 @@ from pathlib import Path
 # Ctrl-C while torch imports (seconds): exit at once, without a traceback;
 # launch() and ddp_setup put their own handlers in later
 signal.signal(signal.SIGINT, signal.SIG_DFL)
-# under torchrun, this rank's launcher, noted before torch loads (torchrun may die
-# meanwhile): stop_after_launcher ends the rank once it is gone
+# torchrun's pid for stop_after_launcher, noted before torch loads (it may die then)
 LAUNCHER = os.getppid()
 
 import torch
@@ -55,15 +54,16 @@ def ddp_setup(local_rank, args):
     dist.init_process_group(
         # fixed: the tutorial hard-codes NCCL, which needs GPUs; gloo runs on CPUs
         "nccl" if cuda else "gloo",
-        # torchrun sets RANK too; spawned on one node, rank = local_rank
+        # torchrun's RANK; a spawned rank (one node) is numbered by its local_rank
         rank=int(os.environ.get("RANK") or local_rank),
         world_size=int(os.environ["WORLD_SIZE"]),
         # a lost rank ends the job after --timeout instead of hanging it
         timeout=timedelta(seconds=args.timeout),
-        # NCCL: the GPU that barrier() uses (gloo takes none)
+        # NCCL: binds this rank's GPU to the group, for barrier() too (gloo: none)
         device_id=device if cuda else None,
     )
-    # from here on, Ctrl-C and SIGTERM exit 130 quietly (see exit_quietly)
+    # Ctrl-C and SIGTERM ended the rank at once until now, even in the wait above;
+    # from here on they let the clean-up run, then exit 130 (see exit_quietly)
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, exit_quietly)
     return device
@@ -75,8 +75,8 @@ def print0(*args, **kwargs):
 
 
 def fail(message):
-    """Every rank calls it at the same point (or the others would wait): all exit 1,
-    and rank 0 says why."""
+    """Exit 1 in every rank, rank 0 printing why. Every rank must call it at the
+    same point, or the others would wait for it."""
     print0(f"error: {message}", file=sys.stderr)
     dist.destroy_process_group()
     sys.exit(1)
@@ -119,13 +119,13 @@ def build_model(args, num_classes):
 
 
 def prepare_dataloader(dataset, device, args):
-    # a DataLoader whose workers are safe to stop (see WorkerLoader)
+    # a DataLoader whose workers a stop or a crash cannot leave behind (WorkerLoader)
     return WorkerLoader(
         dataset,
         args.batch_size,
         # each rank its own shuffled share of the training set
         sampler=DistributedSampler(dataset, seed=args.seed),
-        # fixed: per rank; the tutorial gave each rank 4 * GPUs (on 8 GPUs, 256 in all)
+        # fixed: --workers per rank, not the tutorial's 4 * GPUs in each rank
         num_workers=args.workers,
         pin_memory=device.type == "cuda",
         # BatchNorm cannot train on a last batch of 1 image
@@ -137,8 +137,8 @@ def train(model, dataloader, optimizer, device, epoch, args):
     """One epoch; the loss averaged over every rank, and images/s."""
     # fixed: without set_epoch every epoch has the same order
     dataloader.sampler.set_epoch(epoch)
-    # a seed per epoch and rank: if your model or data draws random numbers (dropout,
-    # random crops), a resumed run draws the ones an unbroken run did
+    # a seed per epoch and rank: random draws (dropout, random crops) in a resumed
+    # run are then those of an unbroken run
     torch.manual_seed(args.seed + 1000 * epoch + dist.get_rank())
     global_batch = args.batch_size * dist.get_world_size()
     steps = len(dataloader)
@@ -150,7 +150,6 @@ def train(model, dataloader, optimizer, device, epoch, args):
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
         optimizer.zero_grad()
-        # --amp: bf16 mixed precision
         with torch.autocast(device.type, torch.bfloat16, enabled=args.amp):
             outputs = model(images)
             loss = torch.nn.functional.cross_entropy(outputs, labels)
@@ -181,13 +180,13 @@ def evaluate(model, val_set, device, args):
     # this rank's share, every world_size-th image: unlike a DistributedSampler,
     # it pads nothing, so each image is counted once
     share = Subset(val_set, range(dist.get_rank(), len(val_set), dist.get_world_size()))
-    # rank 0's BatchNorm statistics in every rank, as DDP's forward would copy them
+    # every rank scores with rank 0's BatchNorm running statistics
     for buffer in model.module.buffers():
         dist.broadcast(buffer, src=0)
     correct = seen = 0
     model.eval()
     for images, labels in DataLoader(share, args.batch_size):
-        # model.module: DDP's forward waits for every rank, and batch counts differ
+        # the bare model: batch counts differ, and DDP's forward waits for every rank
         logits = model.module(images.to(device))
         correct += (logits.argmax(1) == labels.to(device)).sum().item()
         seen += len(labels)
@@ -240,7 +239,7 @@ def load_model(epoch, model, optimizer, device, args):
     dist.barrier()
     file = f"{args.ckpt_dir}/epoch_{epoch}.pt"
     # fixed: onto this rank's own device; the tutorial maps cuda:0 to cuda:rank,
-    # which fails on a CPU. weights_only: the file cannot run code.
+    # which fails on a CPU. (weights_only: loading the file cannot run code.)
     ckpt = torch.load(file, map_location=device, weights_only=True)
     model.module.load_state_dict(ckpt["model_state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_state_dict"])
@@ -272,12 +271,12 @@ def run_training_process_on_given_gpu(local_rank, args):
     print_start(model, len(loader), len(train_set), first_epoch, device, args)
     # fixed: the tutorial's range(1, 30) ran 29 epochs
     epochs = range(first_epoch, args.epochs + 1)
-    # what report() gets if no epoch runs (--resume after the last one)
+    # report() gets None if no epoch runs (--resume after the last one)
     loss = rate = path = None
     scores = {}
     for epoch in epochs:
-        # the tutorial's lesson: every rank loads the checkpoint that rank 0 saved last
-        # (after --resume, the newest in --ckpt-dir)
+        # the tutorial's pattern, each epoch: every rank loads what rank 0 saved
+        # (a run of your own needs it only on --resume)
         if epoch > 1:
             load_model(epoch - 1, model, optimizer, device, args)
         loss, rate = train(model, loader, optimizer, device, epoch, args)
@@ -300,8 +299,8 @@ def run_training_process_on_given_gpu(local_rank, args):
 
 
 def decide_first_epoch(device, args):
-    """Epoch 1, or with --resume the one after the newest checkpoint, as rank 0 sees
-    it: every rank starts from the same epoch."""
+    """Epoch 1, or with --resume the one after the newest checkpoint as rank 0 sees
+    it (a rank on another node may see another disk): the same epoch in every rank."""
     found = torch.tensor(newest_epoch(args), device=device)
     dist.broadcast(found, src=0)
     newest = found.item()
@@ -350,8 +349,8 @@ def report(results, steps, device, args):
 
 # --- loader workers (--workers): prepare_dataloader needs this section ---
 class WorkerLoader(DataLoader):
-    """A DataLoader whose workers come from a forkserver, start with Ctrl-C held,
-    ignore Ctrl-C, and end with this process."""
+    """A DataLoader whose workers a stop or a crash cannot leave behind: forked by
+    a forkserver, started with Ctrl-C held, and ended with this process."""
 
     def __init__(self, *args, num_workers, **kwargs):
         if num_workers:
@@ -368,15 +367,14 @@ class WorkerLoader(DataLoader):
         )
 
     def __iter__(self):
-        """iter() starts this epoch's workers; Ctrl-C and SIGTERM are held until it
-        returns: a stop midway left a half-built loader and its workers' tracebacks."""
+        """Start this epoch's workers, with Ctrl-C and SIGTERM held meanwhile."""
         held = []
         for sig in signal.SIGINT, signal.SIGTERM:
             signal.signal(sig, lambda signum, frame: held.append(signum))
         try:
             batches = super().__iter__()
         except Exception:
-            # a Ctrl-C ends a loading forkserver too, and so this start: the stop counts
+            # a Ctrl-C also ends a starting forkserver, failing this start: stop anyway
             if not held:
                 raise
             batches = None
@@ -385,8 +383,8 @@ class WorkerLoader(DataLoader):
                 signal.signal(sig, exit_quietly)
         if not held:
             return batches
-        # a stop came: end the workers now (left to Python's exit, they outlived their
-        # queues), ignoring further stops (a second Ctrl-C, a launcher's SIGTERM)
+        # a stop came: end the workers now, ignoring further stops (left to Python's
+        # exit, they outlived their queues)
         ignore_stops()
         del batches
         sys.exit(130)
@@ -407,11 +405,11 @@ def worker_init(worker_id):
     """In each worker: quiet on Ctrl-C, and gone once its training process is."""
     # Ctrl-C reaches the workers too: the training process ends them
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # multiprocessing's resource_sharer thread prints through sys.excepthook when a
-    # Ctrl-C cuts a batch's handover; a real failure shows in the training process
+    # no traceback when a Ctrl-C cuts a batch's handover (the training process
+    # reports any real failure)
     sys.excepthook = lambda *exc_info: None
-    # a worker's OS parent is the forkserver, not the training process: this thread
-    # ends the worker when the training process dies, even when killed (SIGKILL)
+    # end the worker when the training process dies, even by SIGKILL (the worker's
+    # OS parent is the forkserver, so torch's own check misses it)
     threading.Thread(target=exit_after_parent, daemon=True).start()
 
 
@@ -427,57 +425,57 @@ def continue_workers():
         os.kill(worker.pid, signal.SIGCONT)
 
 
-# --- launching: copy this section whole; the lines marked optional may go ---
-def launch(main, args):
-    """Run main(local_rank, args) once in each rank."""
+# --- launching: start the ranks, stop them cleanly (optional lines may go) ---
+def launch(fn, args):
+    """Run fn(local_rank, args) once in each rank."""
     if os.environ.get("RANK"):
         # torchrun (or a pod that sets RANK) started this process as one rank
         local_rank = int(os.environ.get("LOCAL_RANK") or 0)
-        return run_rank(local_rank, main, args)
+        return run_rank(local_rank, fn, args)
     # optional: each rank a share of the cores, not all (the ranks inherit this)
     if not os.environ.get("OMP_NUM_THREADS"):
         threads = max(1, os.cpu_count() // args.nprocs)
         os.environ["OMP_NUM_THREADS"] = str(threads)
-    # fixed: a free port, not the tutorial's 12355: binding port 0 lets the system
-    # pick one. The socket stays open while the run lasts, so no other program takes
-    # the port; rank 0's store binds it too (both set SO_REUSEADDR)
+    # fixed: a free port from the system (port 0), not the tutorial's 12355. Held
+    # open until the end, so that no other program takes it before rank 0's store
+    # binds it too (which SO_REUSEADDR on both allows)
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     os.environ["MASTER_PORT"] = str(sock.getsockname()[1])
     os.environ["MASTER_ADDR"] = "127.0.0.1"
-    # --nprocs ranks, even where the shell exports another WORLD_SIZE
+    # read by ddp_setup; set here, so that a WORLD_SIZE in the shell cannot change it
     os.environ["WORLD_SIZE"] = str(args.nprocs)
-    # Ctrl-C, or a SIGTERM sent to this process alone (`kill PID`): stop the ranks
+    # Ctrl-C, or a SIGTERM to this process alone (`kill PID`): stop every rank
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, terminate_ranks)
-    processes = mp.spawn(run_rank, (main, args), nprocs=args.nprocs, join=False)
-    # join() is True once every rank has ended; after one fails, the others get 5 s
-    # (join=True gives none), so that rank 0 can finish printing why
+    processes = mp.spawn(run_rank, (fn, args), nprocs=args.nprocs, join=False)
+    # wait for every rank; once one fails, the others get 5 s to finish printing why
+    # before they are stopped (join=True would stop them at once)
     try:
         while not processes.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: exit with the failed rank's exit code (its error is printed
-        # already); re-raise if a signal killed it: torch's error names the signal
+        # optional: exit with the failed rank's code, as torchrun does; a rank
+        # killed by a signal: torch's error names it
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)
-    # every rank is done: from here on, a stop could only cut Python's exit short
+    # the ranks are done: a late Ctrl-C must not turn success into a traceback
     ignore_stops()
 
 
 # optional: @record puts a rank's traceback in torchrun's failure report
 @record
-def run_rank(local_rank, main, args):
-    """One rank: main(local_rank, args), ended with its launcher, quiet once done."""
-    # optional: a watch that ends this rank if its launcher dies, even in the rendezvous
+def run_rank(local_rank, fn, args):
+    """Run fn(local_rank, args) in this rank; end the rank if its launcher dies."""
+    # optional: end this rank if its launcher dies, even while the ranks still meet
     threading.Thread(target=stop_after_launcher, daemon=True).start()
     try:
-        main(local_rank, args)
+        fn(local_rank, args)
     finally:
-        # a stop from here on could only harm: print from Python's exit hooks, or cut
-        # short the error file that @record writes for torchrun, which then fails
+        # Ctrl-C ignored from here: it could only print a traceback at exit, or cut
+        # short the error file that @record writes (torchrun then fails to read it)
         ignore_stops()
 
 
@@ -492,25 +490,23 @@ def terminate_ranks(signum, frame):
 
 def stop_after_launcher():
     """Poll this rank's parent, its launcher; once it has ended, stop as on SIGTERM."""
-    # spawned: launch()'s pid, from multiprocessing; LAUNCHER is wrong if launch()
-    # died before this rank started
-    launcher = mp.parent_process().pid if mp.parent_process() else LAUNCHER
+    parent = mp.parent_process()
+    # spawned: launch(), even if it died before this rank's imports; torchrun: LAUNCHER
+    launcher = parent.pid if parent else LAUNCHER
     while os.getppid() == launcher:
         time.sleep(1)
     os.kill(os.getpid(), signal.SIGTERM)
 
 
 def exit_quietly(signum, frame):
-    """Ctrl-C or SIGTERM: exit 130, the shell's code for Ctrl-C, and ignore both
-    from now on, so that a second Ctrl-C cannot cut the clean-up short."""
+    """Ctrl-C or SIGTERM: exit 130, without a traceback, and ignore any further stop."""
     ignore_stops()
     # SystemExit: unlike KeyboardInterrupt, it ends Python without a traceback
     sys.exit(130)
 
 
 def ignore_stops():
-    """Ctrl-C and SIGTERM do nothing from now on. A function, not SIG_IGN: with a
-    signal pending, Python would raise "Signal 15 ignored due to race condition"."""
+    """Ctrl-C and SIGTERM do nothing from now on (not SIG_IGN: docs/hardening.md)."""
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, lambda signum, frame: None)
 

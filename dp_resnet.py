@@ -61,7 +61,7 @@ def build_model(args, num_classes):
 
 
 def prepare_dataloader(dataset, gpus, args):
-    # a DataLoader whose workers are safe to stop (see WorkerLoader)
+    # a DataLoader whose workers a stop or a crash cannot leave behind (WorkerLoader)
     return WorkerLoader(
         dataset,
         # the global batch: DataParallel splits it between the GPUs
@@ -235,8 +235,8 @@ def report(results, steps, gpus, device, args):
 
 # --- loader workers (--workers): prepare_dataloader needs this section ---
 class WorkerLoader(DataLoader):
-    """A DataLoader whose workers come from a forkserver, start with Ctrl-C held,
-    ignore Ctrl-C, and end with this process."""
+    """A DataLoader whose workers a stop or a crash cannot leave behind: forked by
+    a forkserver, started with Ctrl-C held, and ended with this process."""
 
     def __init__(self, *args, num_workers, **kwargs):
         if num_workers:
@@ -253,15 +253,14 @@ class WorkerLoader(DataLoader):
         )
 
     def __iter__(self):
-        """iter() starts this epoch's workers; Ctrl-C and SIGTERM are held until it
-        returns: a stop midway left a half-built loader and its workers' tracebacks."""
+        """Start this epoch's workers, with Ctrl-C and SIGTERM held meanwhile."""
         held = []
         for sig in signal.SIGINT, signal.SIGTERM:
             signal.signal(sig, lambda signum, frame: held.append(signum))
         try:
             batches = super().__iter__()
         except Exception:
-            # a Ctrl-C ends a loading forkserver too, and so this start: the stop counts
+            # a Ctrl-C also ends a starting forkserver, failing this start: stop anyway
             if not held:
                 raise
             batches = None
@@ -270,8 +269,8 @@ class WorkerLoader(DataLoader):
                 signal.signal(sig, exit_quietly)
         if not held:
             return batches
-        # a stop came: end the workers now (left to Python's exit, they outlived their
-        # queues), ignoring further stops (a second Ctrl-C, a launcher's SIGTERM)
+        # a stop came: end the workers now, ignoring further stops (left to Python's
+        # exit, they outlived their queues)
         ignore_stops()
         del batches
         sys.exit(130)
@@ -292,11 +291,11 @@ def worker_init(worker_id):
     """In each worker: quiet on Ctrl-C, and gone once its training process is."""
     # Ctrl-C reaches the workers too: the training process ends them
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # multiprocessing's resource_sharer thread prints through sys.excepthook when a
-    # Ctrl-C cuts a batch's handover; a real failure shows in the training process
+    # no traceback when a Ctrl-C cuts a batch's handover (the training process
+    # reports any real failure)
     sys.excepthook = lambda *exc_info: None
-    # a worker's OS parent is the forkserver, not the training process: this thread
-    # ends the worker when the training process dies, even when killed (SIGKILL)
+    # end the worker when the training process dies, even by SIGKILL (the worker's
+    # OS parent is the forkserver, so torch's own check misses it)
     threading.Thread(target=exit_after_parent, daemon=True).start()
 
 
@@ -314,16 +313,14 @@ def continue_workers():
 
 # --- end of loader workers ---
 def exit_quietly(signum, frame):
-    """Ctrl-C or SIGTERM: exit 130, the shell's code for Ctrl-C, and ignore both
-    from now on, so that a second Ctrl-C cannot cut the clean-up short."""
+    """Ctrl-C or SIGTERM: exit 130, without a traceback, and ignore any further stop."""
     ignore_stops()
     # SystemExit: unlike KeyboardInterrupt, it ends Python without a traceback
     sys.exit(130)
 
 
 def ignore_stops():
-    """Ctrl-C and SIGTERM do nothing from now on. A function, not SIG_IGN: with a
-    signal pending, Python would raise "Signal 15 ignored due to race condition"."""
+    """Ctrl-C and SIGTERM do nothing from now on (not SIG_IGN: docs/hardening.md)."""
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, lambda signum, frame: None)
 

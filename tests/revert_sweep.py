@@ -265,7 +265,7 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         "ddp_fashionmnist.py",
         [
             (
-                "    launcher = mp.parent_process().pid if mp.parent_process() else LAUNCHER\n",
+                "    launcher = parent.pid if parent else LAUNCHER\n",
                 "    launcher = LAUNCHER\n",
             )
         ],
@@ -306,8 +306,8 @@ R = [  # (name, script, [(the line as it is, the tutorial's), ...], the tests th
         "ddp_resnet.py",
         [
             (  # ignore_stops() after a return only, as before
-                "    try:\n        main(local_rank, args)\n    finally:\n",
-                "    main(local_rank, args)\n    if True:\n",
+                "    try:\n        fn(local_rank, args)\n    finally:\n",
+                "    fn(local_rank, args)\n    if True:\n",
             )
         ],
         "tests/test_faults.py::test_exception_in_one_rank_ends_the_job[torchrun]",
