@@ -20,7 +20,7 @@ from pathlib import Path
 # Ctrl-C while torch imports (seconds): exit at once, without a traceback;
 # launch() and ddp_setup put their own handlers in later
 signal.signal(signal.SIGINT, signal.SIG_DFL)
-# torchrun's pid for stop_after_launcher, noted before torch loads (it may die then)
+# torchrun's pid for stop_after_launcher, read now: torchrun may die while torch loads
 LAUNCHER = os.getppid()
 
 import torch
@@ -89,7 +89,7 @@ def main(local_rank, args):
     dist.destroy_process_group()
 
 
-# --- launching: start the ranks, stop them cleanly (optional lines may go) ---
+# --- launching: start the ranks, stop them cleanly; `optional:` lines may go ---
 def launch(fn, args):
     """Run fn(local_rank, args) once in each rank."""
     if os.environ.get("RANK"):
@@ -120,8 +120,8 @@ def launch(fn, args):
         while not processes.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: exit with the failed rank's code, as torchrun does; a rank
-        # killed by a signal: torch's error names it
+        # optional: exit with the failed rank's code, as torchrun does (a negative
+        # code: a signal killed it, and torch's error names the signal)
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)
@@ -133,7 +133,7 @@ def launch(fn, args):
 @record
 def run_rank(local_rank, fn, args):
     """Run fn(local_rank, args) in this rank; end the rank if its launcher dies."""
-    # optional: end this rank if its launcher dies, even while the ranks still meet
+    # optional: end this rank if its launcher dies, even inside init_process_group
     threading.Thread(target=stop_after_launcher, daemon=True).start()
     try:
         fn(local_rank, args)
@@ -170,7 +170,7 @@ def exit_quietly(signum, frame):
 
 
 def ignore_stops():
-    """Ctrl-C and SIGTERM do nothing from now on (not SIG_IGN: docs/hardening.md)."""
+    """Ctrl-C and SIGTERM do nothing from now on (with one pending, SIG_IGN warns)."""
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, lambda signum, frame: None)
 

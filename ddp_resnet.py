@@ -24,7 +24,7 @@ from pathlib import Path
 # Ctrl-C while torch imports (seconds): exit at once, without a traceback;
 # launch() and ddp_setup put their own handlers in later
 signal.signal(signal.SIGINT, signal.SIG_DFL)
-# torchrun's pid for stop_after_launcher, noted before torch loads (it may die then)
+# torchrun's pid for stop_after_launcher, read now: torchrun may die while torch loads
 LAUNCHER = os.getppid()
 
 import torch
@@ -75,8 +75,8 @@ def print0(*args, **kwargs):
 
 
 def fail(message):
-    """Exit 1 in every rank, rank 0 printing why. Every rank must call it at the
-    same point, or the others would wait for it."""
+    """Exit 1, rank 0 printing why. Call it in every rank at the same point: a rank
+    that exits alone leaves the others waiting until --timeout."""
     print0(f"error: {message}", file=sys.stderr)
     dist.destroy_process_group()
     sys.exit(1)
@@ -180,13 +180,13 @@ def evaluate(model, val_set, device, args):
     # this rank's share, every world_size-th image: unlike a DistributedSampler,
     # it pads nothing, so each image is counted once
     share = Subset(val_set, range(dist.get_rank(), len(val_set), dist.get_world_size()))
-    # every rank scores with rank 0's BatchNorm running statistics
+    # rank 0's BatchNorm statistics in every rank (each rank's steps updated its own)
     for buffer in model.module.buffers():
         dist.broadcast(buffer, src=0)
     correct = seen = 0
     model.eval()
     for images, labels in DataLoader(share, args.batch_size):
-        # the bare model: batch counts differ, and DDP's forward waits for every rank
+        # model.module: ranks' batch counts differ, and DDP's forward would wait for all
         logits = model.module(images.to(device))
         correct += (logits.argmax(1) == labels.to(device)).sum().item()
         seen += len(labels)
@@ -239,7 +239,7 @@ def load_model(epoch, model, optimizer, device, args):
     dist.barrier()
     file = f"{args.ckpt_dir}/epoch_{epoch}.pt"
     # fixed: onto this rank's own device; the tutorial maps cuda:0 to cuda:rank,
-    # which fails on a CPU. (weights_only: loading the file cannot run code.)
+    # which fails on a CPU
     ckpt = torch.load(file, map_location=device, weights_only=True)
     model.module.load_state_dict(ckpt["model_state_dict"])
     optimizer.load_state_dict(ckpt["optimizer_state_dict"])
@@ -275,8 +275,8 @@ def run_training_process_on_given_gpu(local_rank, args):
     loss = rate = path = None
     scores = {}
     for epoch in epochs:
-        # the tutorial's pattern, each epoch: every rank loads what rank 0 saved
-        # (a run of your own needs it only on --resume)
+        # the tutorial's lesson: each epoch, every rank loads the checkpoint rank 0
+        # saved last (after --resume, the newest in --ckpt-dir)
         if epoch > 1:
             load_model(epoch - 1, model, optimizer, device, args)
         loss, rate = train(model, loader, optimizer, device, epoch, args)
@@ -299,8 +299,8 @@ def run_training_process_on_given_gpu(local_rank, args):
 
 
 def decide_first_epoch(device, args):
-    """Epoch 1, or with --resume the one after the newest checkpoint as rank 0 sees
-    it (a rank on another node may see another disk): the same epoch in every rank."""
+    """Epoch 1, or with --resume the one after the newest checkpoint. Rank 0 decides
+    (another node may see another disk), and its broadcast tells every rank."""
     found = torch.tensor(newest_epoch(args), device=device)
     dist.broadcast(found, src=0)
     newest = found.item()
@@ -425,7 +425,7 @@ def continue_workers():
         os.kill(worker.pid, signal.SIGCONT)
 
 
-# --- launching: start the ranks, stop them cleanly (optional lines may go) ---
+# --- launching: start the ranks, stop them cleanly; `optional:` lines may go ---
 def launch(fn, args):
     """Run fn(local_rank, args) once in each rank."""
     if os.environ.get("RANK"):
@@ -456,8 +456,8 @@ def launch(fn, args):
         while not processes.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: exit with the failed rank's code, as torchrun does; a rank
-        # killed by a signal: torch's error names it
+        # optional: exit with the failed rank's code, as torchrun does (a negative
+        # code: a signal killed it, and torch's error names the signal)
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)
@@ -469,7 +469,7 @@ def launch(fn, args):
 @record
 def run_rank(local_rank, fn, args):
     """Run fn(local_rank, args) in this rank; end the rank if its launcher dies."""
-    # optional: end this rank if its launcher dies, even while the ranks still meet
+    # optional: end this rank if its launcher dies, even inside init_process_group
     threading.Thread(target=stop_after_launcher, daemon=True).start()
     try:
         fn(local_rank, args)
@@ -506,7 +506,7 @@ def exit_quietly(signum, frame):
 
 
 def ignore_stops():
-    """Ctrl-C and SIGTERM do nothing from now on (not SIG_IGN: docs/hardening.md)."""
+    """Ctrl-C and SIGTERM do nothing from now on (with one pending, SIG_IGN warns)."""
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, lambda signum, frame: None)
 

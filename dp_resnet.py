@@ -199,7 +199,7 @@ def run_training(gpus, train_set, num_classes, first_epoch, args):
     print(line)
     # fixed: the tutorial's range(1, 30) ran 29 epochs
     epochs = range(first_epoch, args.epochs + 1)
-    # what report() gets if no epoch runs (--resume after the last one)
+    # report() gets None if no epoch runs (--resume after the last one)
     loss = rate = path = None
     for epoch in epochs:
         # the tutorial's pattern: each epoch starts from the last one's checkpoint
@@ -320,7 +320,7 @@ def exit_quietly(signum, frame):
 
 
 def ignore_stops():
-    """Ctrl-C and SIGTERM do nothing from now on (not SIG_IGN: docs/hardening.md)."""
+    """Ctrl-C and SIGTERM do nothing from now on (with one pending, SIG_IGN warns)."""
     for sig in signal.SIGINT, signal.SIGTERM:
         signal.signal(sig, lambda signum, frame: None)
 
