@@ -456,8 +456,8 @@ def launch(fn, args):
         while not processes.join(grace_period=5):
             pass
     except mp.ProcessExitedException as e:
-        # optional: exit with the failed rank's code, as torchrun does (a negative
-        # code: a signal killed it, and torch's error names the signal)
+        # optional: exit with the failed rank's own code (a refusal's, say); a
+        # negative one means a signal killed it, and torch's error names the signal
         if e.exit_code < 0:
             raise
         sys.exit(e.exit_code)
